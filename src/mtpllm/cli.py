@@ -1,0 +1,242 @@
+"""`mtpllm` command line: one console script, one subcommand per tool, each with main(argv)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from .errors import MtpllmError
+from .registry import DEFAULT_MODEL, REGISTRY
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{s}'") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{s}'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("model")
+    g.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"registry name ({', '.join(REGISTRY)}) or path to a GGUF file (default: {DEFAULT_MODEL})")
+    g.add_argument("-c", "--ctx-size", type=_positive_int, default=None,
+                   help="context size in tokens (default: min(4096, model's training context))")
+    g.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="run every weight dequantized to float32 (exact reference path, slower)")
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    g.add_argument("--rope-freq-base", type=float, default=None, help="override the RoPE base frequency")
+    g.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default=None, help="RoPE scaling type")
+    g.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor (target / original context)")
+    g.add_argument("--yarn-orig-ctx", type=_positive_int, default=None, help="original context for YaRN")
+
+
+def add_sampling_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("sampling")
+    g.add_argument("-n", "--n-predict", type=_nonneg_int, default=256, help="tokens to generate (default 256)")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=_nonneg_int, default=40, help="top-k, 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty, 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="RNG seed (default: random)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_from_args(a):
+    from .runtime.sampling import SamplingParams
+    return SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                          repetition_penalty=a.repeat_penalty, presence_penalty=a.presence_penalty,
+                          frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.n_predict,
+                          stop=list(a.stop), ignore_eos=a.ignore_eos)
+
+
+def overrides_from_args(a) -> dict:
+    o = {}
+    if a.rope_freq_base is not None:
+        o["rope.base"] = a.rope_freq_base
+    if a.rope_scaling is not None:
+        o["rope.scaling"] = a.rope_scaling
+    if a.rope_scale is not None:
+        o["rope.factor"] = a.rope_scale
+    if a.yarn_orig_ctx is not None:
+        o["rope.orig_ctx"] = a.yarn_orig_ctx
+    return o
+
+
+def load_engine(a):
+    from .runtime.engine import Engine
+    return Engine.load(a.model, n_ctx=a.ctx_size, mode="f32" if a.dequantize else "fast", threads=a.threads,
+                       cfg_overrides=overrides_from_args(a), device=a.device)
+
+
+def print_timings(t, stats=None, file=sys.stderr) -> None:
+    """llama.cpp-like timing lines."""
+    def line(label, ms, n):
+        per_tok = ms / n if n else 0.0
+        tps = n / (ms / 1e3) if ms > 0 else 0.0
+        return (f"{label:>16} = {ms:10.2f} ms / {n:5d} tokens ({per_tok:8.2f} ms per token, "
+                f"{tps:8.2f} tokens per second)")
+    print(f"\n{'load time':>16} = {t.load_ms:10.2f} ms", file=file)
+    print(line("prompt eval time", t.prompt_ms, t.prompt_n), file=file)
+    print(line("eval time", t.predicted_ms, t.predicted_n), file=file)
+    if t.cached_n:
+        print(f"{'cached prompt':>16} = {t.cached_n} tokens", file=file)
+    if stats is not None and getattr(stats, "num_drafts", 0):
+        print(stats.summary(), file=file)
+
+
+# ---------------------------------------------------------------------------- run
+def cmd_run(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mtpllm run", description="Generate text from a prompt.")
+    add_model_args(ap)
+    add_sampling_args(ap)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", help="read the prompt from a file")
+    chat = ap.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap the prompt in the model's chat template (default when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw text completion")
+    from .speculative.config import add_spec_args, spec_from_args
+    add_spec_args(ap)
+    a = ap.parse_args(argv)
+    if a.file is not None:
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MtpllmError(f"cannot read prompt file {a.file}: {exc}") from None
+    else:
+        prompt = a.prompt
+    if not prompt:
+        raise MtpllmError("empty prompt: give some text with -p or -f")
+    params = sampling_from_args(a)
+    spec_cfg = spec_from_args(a)  # validate before the (slow) model load
+    eng = load_engine(a)
+    ids = eng.encode_prompt(prompt, chat=a.chat)
+    spec = spec_cfg.build(eng) if spec_cfg else None
+    out = sys.stdout
+    last = None
+    for r in eng.stream(ids, params, spec):
+        if r.text:
+            out.write(r.text)
+            out.flush()
+        last = r
+    out.write("\n")
+    if last.finish_reason == "context":
+        print(f"[context full: {eng.n_ctx} tokens; raise -c]", file=sys.stderr)
+    print_timings(last.timings, last.stats)
+    return 0
+
+
+# ---------------------------------------------------------------------------- chat
+def cmd_chat(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mtpllm chat", description="Interactive multi-turn chat with the model's template.")
+    add_model_args(ap)
+    add_sampling_args(ap)
+    ap.add_argument("-sys", "--system", default=None, help="system prompt")
+    ap.add_argument("--timings", action="store_true", help="print timings after each answer")
+    from .speculative.config import add_spec_args, spec_from_args
+    add_spec_args(ap)
+    a = ap.parse_args(argv)
+    params = sampling_from_args(a)
+    spec_cfg = spec_from_args(a)
+    eng = load_engine(a)
+    if not eng.tokenizer.chat_template:
+        raise MtpllmError("this model has no chat template; use `mtpllm run --no-chat` for text completion")
+    spec = spec_cfg.build(eng) if spec_cfg else None
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat with the model; /exit or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = eng.encode_prompt(messages=messages)
+        parts, last = [], None
+        try:
+            for r in eng.stream(ids, params, spec):
+                parts.append(r.text)
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                last = r
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(parts)})
+        if last is not None and last.finish_reason == "context":
+            print(f"[context full: {eng.n_ctx} tokens; /reset or raise -c]", file=sys.stderr)
+            messages.pop()
+            messages.pop()
+        if a.timings and last is not None:
+            print_timings(last.timings, last.stats)
+    return 0
+
+
+COMMANDS = {
+    "run": (cmd_run, "generate text from a prompt"),
+    "chat": (cmd_chat, "interactive chat"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mtpllm <command> [options]\n\ncommands:", file=sys.stderr if argv else sys.stdout)
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:<10} {help_}", file=sys.stderr if argv else sys.stdout)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"mtpllm {__version__}")
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"mtpllm: unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    try:
+        return cmd[0](argv[1:])
+    except MtpllmError as exc:
+        print(f"mtpllm {argv[0]}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0

@@ -1,0 +1,168 @@
+"""The decoder-only transformer shared by all architectures, and the GGUF loader.
+
+Contract of an architecture file (`qwen2.py`, `gemma3.py`, ...): a module-level
+`adjust_config(g, cfg: dict)` that sets the architecture's flags from GGUF metadata.
+Everything else (tensor names, blocks) is common and driven by the config flags.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+from torch import nn
+
+from ..errors import MtpllmError
+from ..gguf.reader import GGUFFile
+from ..runtime.kv_cache import KVCache
+from ..runtime.linear import Linear, make_linear
+from .config import ModelConfig, config_from_gguf
+from .layers import MLP, Attention, Block, RMSNorm, Rotary, rope_inv_freq
+
+ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3")
+
+
+class _ArchRegistry(dict):
+    """arch name -> architecture module, imported on first use."""
+
+    def __missing__(self, key):
+        if key not in ARCH_NAMES:
+            raise KeyError(key)
+        mod = importlib.import_module(f".{key}", __package__)
+        self[key] = mod
+        return mod
+
+    def __contains__(self, key):
+        return key in ARCH_NAMES
+
+
+ARCHITECTURES = _ArchRegistry()
+
+
+class Embedding(nn.Module):
+    """Token embedding kept in its GGUF storage type; rows are dequantized on lookup."""
+
+    def __init__(self, raw: np.ndarray, qtype: QT, vocab: int, dim: int, scale: float = 1.0):
+        super().__init__()
+        self.raw, self.qtype, self.vocab, self.dim, self.scale = raw, qtype, vocab, dim, scale
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        idx = tokens.cpu().numpy()
+        rows = self.raw[idx]
+        if self.qtype == QT.F32:
+            out = np.asarray(rows, dtype=np.float32)
+        elif self.qtype == QT.F16:
+            out = rows.astype(np.float32)
+        else:
+            out = gq.dequantize(rows, self.qtype)
+        e = torch.from_numpy(np.array(out, dtype=np.float32)).reshape(len(idx), self.dim).to(tokens.device)
+        return e * self.scale if self.scale != 1.0 else e
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> final norm -> (shared) lm_head. One sequence at a time."""
+
+    def __init__(self, cfg: ModelConfig, embed: Embedding, blocks: list[Block], norm: RMSNorm, lm_head: Linear):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.source: Path | None = None
+
+    def make_cache(self, max_len: int, device="cpu") -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_len, device=device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [T] at positions [cache.length, +T) -> final-normed hidden states [T, D]; commits T positions."""
+        T = tokens.shape[0]
+        positions = cache.positions[cache.length:cache.length + T] if cache.length + T <= cache.max_len else None
+        if positions is None or positions.shape[0] != T:
+            raise MtpllmError(f"context overflow: {cache.length} + {T} tokens exceed the context size {cache.max_len}")
+        x = self.embed(tokens)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, positions, cache, i)
+        cache.advance(T)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] -> logits [T, V] (float32)."""
+        out = self.lm_head(hidden)
+        if self.cfg.final_softcap:
+            out = torch.tanh(out / self.cfg.final_softcap) * self.cfg.final_softcap
+        return out
+
+
+def _norm(g: GGUFFile, name: str, eps: float) -> RMSNorm:
+    return RMSNorm(g.load(name), eps)
+
+
+def build_block(g: GGUFFile, cfg: ModelConfig, i: int, rotary: Rotary, mode: str, window: int = 0) -> Block:
+    """One decoder block from the GGUF tensors `blk.{i}.*` (also used for MTP blocks)."""
+    p = f"blk.{i}."
+    qkv_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+    biases = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.qkv_bias else None
+    qkv = make_linear(g, qkv_names, biases, mode)
+    out = make_linear(g, [p + "attn_output.weight"], mode=mode)
+    q_norm = k_norm = None
+    if cfg.qk_norm:
+        q_norm, k_norm = _norm(g, p + "attn_q_norm.weight", cfg.norm_eps), _norm(g, p + "attn_k_norm.weight", cfg.norm_eps)
+    attn = Attention(cfg, qkv, out, rotary, q_norm, k_norm, window)
+    mlp = MLP(make_linear(g, [p + "ffn_gate.weight", p + "ffn_up.weight"], mode=mode),
+              make_linear(g, [p + "ffn_down.weight"], mode=mode), cfg.act)
+    post_attn = post_ffn = None
+    if cfg.sandwich_norm:
+        post_attn = _norm(g, p + "post_attention_norm.weight", cfg.norm_eps)
+        post_ffn = _norm(g, p + "post_ffw_norm.weight", cfg.norm_eps)
+    return Block(_norm(g, p + "attn_norm.weight", cfg.norm_eps), attn, _norm(g, p + "ffn_norm.weight", cfg.norm_eps),
+                 mlp, post_attn, post_ffn)
+
+
+def make_rotaries(g: GGUFFile, cfg: ModelConfig) -> tuple[Rotary, Rotary]:
+    """(global rotary, sliding-window rotary). The window layers never use context scaling."""
+    dim = cfg.rope.dim or cfg.head_dim
+    inv, factor = rope_inv_freq(cfg.rope, dim)
+    if "rope_freqs.weight" in g:  # llama3-style per-frequency factors stored in the file
+        inv = inv / g.load("rope_freqs.weight").reshape(-1)[: inv.shape[0]]
+    full = Rotary(inv, factor, cfg.rope.style, dim)
+    if cfg.rope.base_swa is None:
+        return full, full
+    inv_s, f_s = rope_inv_freq(cfg.rope, dim, base=cfg.rope.base_swa, scaling="none")
+    return full, Rotary(inv_s, f_s, cfg.rope.style, dim)
+
+
+def load_model(path: str | Path, mode: str = "fast", cfg_overrides: dict | None = None,
+               gguf_file: GGUFFile | None = None) -> Transformer:
+    """Load a GGUF model. mode: "fast" (compressed kernels) or "f32" (everything dequantized)."""
+    if mode not in ("fast", "f32"):
+        raise MtpllmError(f"unknown weight mode '{mode}' (fast|f32)")
+    g = gguf_file or GGUFFile(path)
+    cfg = config_from_gguf(g)
+    for k, v in (cfg_overrides or {}).items():
+        if k.startswith("rope."):
+            setattr(cfg.rope, k[5:], v)
+        else:
+            setattr(cfg, k, v)
+    cfg.rope.__post_init__()
+    full_rot, swa_rot = make_rotaries(g, cfg)
+    blocks = []
+    for i in range(cfg.n_layers):
+        swa = cfg.swa_layers[i] and cfg.sliding_window > 0
+        blocks.append(build_block(g, cfg, i, swa_rot if swa else full_rot, mode, cfg.sliding_window if swa else 0))
+    emb = g.info("token_embd.weight")
+    embed = Embedding(g.raw("token_embd.weight"), emb.qtype, emb.shape[0], emb.shape[1], cfg.embed_scale)
+    head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    lm_head = make_linear(g, [head_name], mode=mode)
+    model = Transformer(cfg, embed, blocks, _norm(g, "output_norm.weight", cfg.norm_eps), lm_head)
+    model.source = g.path
+    model.gguf = g
+    model.eval()
+    return model

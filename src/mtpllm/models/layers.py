@@ -1,0 +1,163 @@
+"""Building blocks shared by all architectures: norms, rotary embedding, attention, MLP, block.
+
+Modules only: no file access, no sampling, no device policy. Shapes are single-sequence:
+activations are [T, D] for T tokens at positions [pos, pos+T).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w. GGUF files store Gemma's (1 + w) already folded into w."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+# ---------------------------------------------------------------------------- rotary
+def rope_inv_freq(rope: RopeConfig, dim: int, base: float | None = None,
+                  scaling: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention factor applied to cos/sin.
+
+    YaRN follows Hugging Face transformers' `_compute_yarn_parameters` (beta_fast=32, beta_slow=1,
+    factor = target / original context, mscale = 0.1 ln(factor) + 1).
+    """
+    base = rope.base if base is None else base
+    scaling = rope.scaling if scaling is None else scaling
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv = 1.0 / pos_freqs
+    if scaling == "linear":
+        return (inv / rope.factor).float(), 1.0
+    if scaling == "yarn":
+        s = rope.factor
+        orig = rope.orig_ctx or 4096
+
+        def corr_dim(n_rot: float) -> float:
+            # dimension index whose wavelength completes n_rot rotations over the original context
+            return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(32.0)), 0)
+        high = min(math.ceil(corr_dim(1.0)), dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrap_weight = 1 - ramp  # 1 for high-frequency dims (kept), 0 for low-frequency (interpolated)
+        inv = (inv / s) * (1 - extrap_weight) + inv * extrap_weight
+        mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+        return inv.float(), mscale
+    return inv.float(), 1.0
+
+
+class Rotary(nn.Module):
+    """cos/sin tables grown on demand; applies rotary embedding to [T, H, D]."""
+
+    def __init__(self, inv_freq: torch.Tensor, attn_factor: float, style: str, rot_dim: int):
+        super().__init__()
+        self.inv_freq = inv_freq
+        self.attn_factor = attn_factor
+        self.style = style
+        self.rot_dim = rot_dim
+        self.cos = torch.empty(0)
+        self.sin = torch.empty(0)
+
+    def tables(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos.shape[0] < n or self.cos.device != torch.device(device):
+            size = max(n, 2 * self.cos.shape[0], 256)
+            t = torch.arange(size, dtype=torch.float64)
+            ang = torch.outer(t, self.inv_freq.double())  # [size, rot/2]
+            self.cos = (ang.cos() * self.attn_factor).float().to(device)
+            self.sin = (ang.sin() * self.attn_factor).float().to(device)
+        return self.cos, self.sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos_t, sin_t = self.tables(int(positions[-1]) + 1, x.device)
+        cos = cos_t[positions][:, None, :]  # [T, 1, rot/2]
+        sin = sin_t[positions][:, None, :]
+        r = self.rot_dim
+        xr, xp = x[..., :r], x[..., r:]
+        if self.style == "neox":
+            x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:  # adjacent pairs (2i, 2i+1)
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+# ---------------------------------------------------------------------------- attention / mlp
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, out: nn.Module, rotary: Rotary,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, window: int = 0):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv, self.out, self.rotary = qkv, out, rotary
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.scale = cfg.attn_scale
+        self.window = window  # 0 = full attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv(x)
+        q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
+        q = qkv[:, :q_sz].view(T, self.n_heads, self.hd)
+        k = qkv[:, q_sz:q_sz + kv_sz].view(T, self.n_kv, self.hd)
+        v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
+        keys, values, key_pos = kv.update(layer, k, v, positions)  # [KV, L, D], [KV, L, D], [L]
+        mask = None
+        qpos = positions[:, None]
+        if T > 1 or (self.window and int(positions[-1]) - int(key_pos[0]) >= self.window):
+            allowed = key_pos[None, :] <= qpos  # [T, L]
+            if self.window:
+                allowed &= (qpos - key_pos[None, :]) < self.window
+            mask = allowed
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv)  # [1, H, T, D]
+        return self.out(o[0].transpose(0, 1).reshape(T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: nn.Module, down: nn.Module, act: str):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.act = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        gate, up = gu.chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block; with `post_attn_norm`/`post_ffn_norm` (Gemma) it is a sandwich block."""
+
+    def __init__(self, attn_norm: RMSNorm, attn: Attention, ffn_norm: RMSNorm, mlp: MLP,
+                 post_attn_norm: RMSNorm | None = None, post_ffn_norm: RMSNorm | None = None):
+        super().__init__()
+        self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
+        self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
+        h = self.attn(self.attn_norm(x), positions, kv, layer)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h

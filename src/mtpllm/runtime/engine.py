@@ -1,0 +1,278 @@
+"""The engine: one loaded model + tokenizer, and generation in layers.
+
+  step generator  (`_steps`: yields lists of new token ids; plain decoding yields one per step,
+                   speculative decoding yields each verified block)
+  -> stream       (`Engine.stream`: EOS / stop strings / max tokens / detokenization / timings,
+                   yields `Response` objects)
+  -> generate     (`Engine.generate`: collects a stream into a `Completion`)
+
+CLI, server and benchmark all consume `stream`; none re-implements decoding.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import MtpllmError
+from ..gguf.reader import GGUFFile
+from ..models.base import Transformer, load_model
+from ..registry import resolve_model
+from ..tokenizer import GGUFTokenizer
+from .kv_cache import kv_cache_bytes
+from .sampling import SamplingParams, Sampler, make_sampler
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the [T, L] attention mask and activations
+
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prompt_n: int = 0  # prompt tokens actually evaluated (after prefix-cache reuse)
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cached_n: int = 0  # prompt tokens reused from the cache
+
+    @property
+    def prompt_per_second(self) -> float:
+        return self.prompt_n / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return self.predicted_n / (self.predicted_ms / 1e3) if self.predicted_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
+                "prompt_per_second": self.prompt_per_second, "predicted_n": self.predicted_n,
+                "predicted_ms": self.predicted_ms, "predicted_per_second": self.predicted_per_second,
+                "cache_n": self.cached_n}
+
+
+@dataclass
+class Response:
+    """One emitted token (text may be '' while bytes of a character or a possible stop string are held)."""
+    token: int | None
+    text: str
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "context"
+    timings: Timings | None = None
+    stats: object | None = None  # speculative statistics (SpecStats) when speculation is on
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    timings: Timings
+    prompt_tokens: int
+    stats: object | None = None
+
+
+class Engine:
+    """A model ready to generate. Create with `Engine.load(name_or_path, ...)`."""
+
+    def __init__(self, model: Transformer, tokenizer: GGUFTokenizer, n_ctx: int, load_ms: float = 0.0,
+                 device: str = "cpu"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_ctx = n_ctx
+        self.load_ms = load_ms
+        self.device = device
+        self.cache = model.make_cache(n_ctx, device)
+        self._cached_tokens: list[int] = []  # tokens whose K/V are in `cache`, in order
+        if model.cfg.vocab_size < tokenizer.vocab_size:
+            raise MtpllmError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{model.cfg.vocab_size} embeddings")
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, name_or_path: str, n_ctx: int | None = None, mode: str = "fast", threads: int | None = None,
+             cfg_overrides: dict | None = None, device: str = "cpu") -> "Engine":
+        if threads:
+            torch.set_num_threads(int(threads))
+        t0 = time.perf_counter()
+        path = resolve_model(name_or_path)
+        g = GGUFFile(path)
+        model = load_model(path, mode, cfg_overrides, gguf_file=g)
+        cfg = model.cfg
+        n_ctx = int(n_ctx or min(cfg.ctx_len, 4096))
+        if n_ctx <= 0:
+            raise MtpllmError(f"context size must be positive, got {n_ctx}")
+        check_kv_memory(cfg, n_ctx)
+        tok = GGUFTokenizer(g.metadata, g.arch)
+        if device != "cpu":
+            model.to(device)
+        return cls(model, tok, n_ctx, (time.perf_counter() - t0) * 1e3, device)
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
+                      chat: bool | None = None) -> list[int]:
+        """Token ids for a raw prompt or a chat conversation (rendered with the model's template)."""
+        if messages is not None:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special=not text.startswith(self._bos_text()))
+        if prompt is None or prompt == "":
+            raise MtpllmError("empty prompt: give some text to complete")
+        if chat is None:
+            chat = bool(self.tokenizer.chat_template)
+        if chat:
+            return self.encode_prompt(messages=[{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def _bos_text(self) -> str:
+        t = self.tokenizer
+        return t.tokens[t.bos_id] if t.bos_id is not None and t.add_bos else "\0"
+
+    # ------------------------------------------------------------------ layer 1: step generator
+    def _prefill(self, prompt: list[int], max_reuse: int | None = None) -> torch.Tensor:
+        """Evaluate the prompt (reusing at most `max_reuse` tokens of a cached common prefix).
+
+        Returns the last position's hidden state [1, D]; `last_prompt_hidden` holds the hidden
+        states of every evaluated position and `last_cached_n` how many were reused.
+        """
+        cache = self.cache
+        common = 0
+        for a, b in zip(self._cached_tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(prompt) - 1, cache.length)  # at least one token must be evaluated
+        if max_reuse is not None:
+            common = min(common, max_reuse)
+        cache.trim(cache.length - common)
+        self._cached_tokens = list(prompt[:common])
+        self.last_cached_n = common
+        todo = torch.tensor(prompt[common:], dtype=torch.long, device=self.device)
+        hidden = None
+        for s in range(0, todo.shape[0], PREFILL_CHUNK):
+            hidden = self.model(todo[s:s + PREFILL_CHUNK], cache)
+        self._cached_tokens = list(prompt)
+        self.last_prompt_hidden = hidden
+        return hidden[-1:]
+
+    def _plain_steps(self, prompt: list[int], sampler: Sampler) -> Iterator[list[int]]:
+        """Plain decoding: one token per step. The caller stops the generator when it is done."""
+        model, cache = self.model, self.cache
+        history = list(prompt)
+        hidden = self._prefill(prompt)
+        yield []  # prefill done (lets the caller time it)
+        while True:
+            tok = sampler.sample(model.logits(hidden)[0], history)
+            history.append(tok)
+            yield [tok]
+            if cache.length + 2 > cache.max_len:  # feeding tok and sampling one more would pass n_ctx
+                return
+            hidden = model(torch.tensor([tok], device=self.device), cache)
+            self._cached_tokens.append(tok)
+
+    # ------------------------------------------------------------------ layer 2: stream
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None,
+               speculative=None) -> Iterator[Response]:
+        """Generate from token ids; yields one Response per emitted token, the last one with a finish_reason."""
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise MtpllmError("empty prompt: give some text to complete")
+        if len(prompt_ids) >= self.n_ctx:
+            raise MtpllmError(f"prompt is {len(prompt_ids)} tokens but the context size is {self.n_ctx}: "
+                              f"shorten the prompt or raise the context size (-c), at most {self.model.cfg.ctx_len} "
+                              f"for this model without rope scaling")
+        sampler = make_sampler(params, self.device)
+        timings = Timings(load_ms=self.load_ms)
+        tok = self.tokenizer
+        eos = set() if params.ignore_eos else tok.eos_ids
+        stops = params.stop
+        hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
+
+        if speculative is not None:
+            steps = speculative.steps(self, prompt_ids, sampler)
+        else:
+            steps = self._plain_steps(prompt_ids, sampler)
+        t0 = time.perf_counter()
+        next(steps)  # prefill
+        stats = getattr(speculative, "stats", None)  # fresh per generation, set up by `steps`
+        t1 = time.perf_counter()
+        timings.prompt_ms = (t1 - t0) * 1e3
+        timings.cached_n = self.last_cached_n
+        timings.prompt_n = len(prompt_ids) - timings.cached_n
+        generated: list[int] = []
+        text = ""
+        emitted = 0  # characters of the decoded output already yielded
+        finish = "length" if params.max_tokens == 0 else None
+        try:
+            while finish is None:
+                try:
+                    block = next(steps)
+                except StopIteration:
+                    finish = "context"  # the context is full
+                    break
+                for t in block:
+                    if t in eos:
+                        finish = "stop"
+                        break
+                    generated.append(t)
+                    text = tok.decode(generated, skip_special=True)
+                    end = len(text)
+                    if stops:
+                        found = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
+                        if found:
+                            end, finish = min(found), "stop"
+                    if finish is None and len(generated) >= params.max_tokens:
+                        finish = "length"
+                    if finish is None:
+                        end -= hold  # might be the start of a stop string
+                        if text.endswith("\ufffd"):  # incomplete UTF-8 character: wait for its other bytes
+                            end = min(end, len(text.rstrip("\ufffd")))
+                    piece = text[emitted:end] if end > emitted else ""
+                    emitted = max(emitted, end)
+                    timings.predicted_n = len(generated)
+                    timings.predicted_ms = (time.perf_counter() - t1) * 1e3
+                    yield Response(t, piece, finish, timings, stats)
+                    if finish is not None:
+                        return
+        finally:
+            steps.close()
+        # EOS or a full context: flush text held back for stop-string matching
+        timings.predicted_n = len(generated)
+        timings.predicted_ms = (time.perf_counter() - t1) * 1e3
+        yield Response(None, text[emitted:], finish, timings, stats)
+
+    # ------------------------------------------------------------------ layer 3: generate
+    def generate(self, prompt: str | None = None, params: SamplingParams | None = None, messages=None,
+                 chat: bool | None = False, prompt_ids: list[int] | None = None, speculative=None) -> Completion:
+        ids = prompt_ids if prompt_ids is not None else self.encode_prompt(prompt, messages, chat)
+        parts, tokens = [], []
+        last = None
+        for r in self.stream(ids, params, speculative):
+            parts.append(r.text)
+            if r.token is not None:
+                tokens.append(r.token)
+            last = r
+        return Completion("".join(parts), tokens, last.finish_reason, last.timings, len(ids), last.stats)
+
+
+def check_kv_memory(cfg, n_ctx: int) -> int:
+    """Fail with a clear message (and the largest context that fits) before allocating too much."""
+    need = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx)
+    avail = available_memory()
+    if avail and need > 0.9 * avail:
+        per_tok = need / n_ctx
+        fits = int(0.9 * avail / per_tok) // 256 * 256
+        raise MtpllmError(f"the KV cache for a context of {n_ctx} tokens needs {need / 2**30:.2f} GiB but only "
+                          f"{avail / 2**30:.2f} GiB of memory is available; the largest context that fits is "
+                          f"about {fits} tokens (-c {fits})")
+    return need
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,120 @@
+"""Sampling: parameters (validated dataclass) and a factory for samplers.
+
+A sampler turns logits into the distribution it samples from (`probs`) so that speculative
+verification can use exactly the same transforms for p and q. Temperature 0 means argmax.
+Order of transforms (as in llama.cpp's default chain): penalties -> top-k -> top-p -> min-p -> temperature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MtpllmError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1.0 = off
+    min_p: float = 0.05  # 0.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # how many recent tokens the penalties look at
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        def bad(msg):
+            raise MtpllmError(f"invalid sampling parameter: {msg}")
+        if not (self.temperature >= 0):
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0):
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad(f"max_tokens must be an integer >= 0, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) for s in self.stop):
+            bad("stop must be a list of strings")
+        self.stop = [s for s in self.stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class Sampler:
+    """Built by `make_sampler(params)`. Holds the RNG so a seed reproduces a whole generation."""
+
+    def __init__(self, params: SamplingParams, device="cpu"):
+        self.p = params
+        self.gen = torch.Generator(device=device)
+        if params.seed is not None:
+            self.gen.manual_seed(int(params.seed))
+        else:
+            self.gen.seed()
+
+    def apply_penalties(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """logits [V]; history = token ids so far (prompt + generated)."""
+        p = self.p
+        if not p.uses_penalties or not history:
+            return logits
+        recent = history[-p.penalty_last_n:] if p.penalty_last_n > 0 else history
+        ids, counts = torch.unique(torch.tensor(recent, device=logits.device), return_counts=True)
+        logits = logits.clone()
+        sel = logits[ids]
+        if p.repetition_penalty != 1.0:
+            sel = torch.where(sel > 0, sel / p.repetition_penalty, sel * p.repetition_penalty)
+        sel = sel - counts.to(sel.dtype) * p.frequency_penalty - p.presence_penalty
+        logits[ids] = sel
+        return logits
+
+    def probs(self, logits: torch.Tensor, history: list[int] | None = None) -> torch.Tensor:
+        """The distribution this sampler draws from, for logits [V] -> probs [V] (one-hot when greedy)."""
+        logits = self.apply_penalties(logits.float(), history or [])
+        if self.p.greedy:
+            out = torch.zeros_like(logits)
+            out[logits.argmax()] = 1.0
+            return out
+        p = self.p
+        if p.top_k and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, idx = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p  # keep the smallest prefix reaching top_p
+            logits = logits.scatter(0, idx, sorted_logits.masked_fill(drop, float("-inf")))
+        if p.min_p > 0:
+            pr = torch.softmax(logits, -1)
+            logits = logits.masked_fill(pr < p.min_p * pr.max(), float("-inf"))
+        return torch.softmax(logits / p.temperature, -1)
+
+    def sample_from(self, probs: torch.Tensor) -> int:
+        if self.p.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
+        if self.p.greedy and not self.p.uses_penalties:
+            return int(logits.argmax())
+        return self.sample_from(self.probs(logits, history))
+
+
+def make_sampler(params: SamplingParams, device="cpu") -> Sampler:
+    return Sampler(params, device)

@@ -1,0 +1,153 @@
+"""Speculative-decoding settings: vLLM-style JSON (`--speculative`) and llama.cpp-style flags."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+from ..errors import MtpllmError
+
+MTP_ALIASES = {"mtp", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "draft-mtp"}
+METHODS = {"mtp", "draft_model", "ngram"}
+LLAMA_SPEC_TYPES = {"none": None, "draft-mtp": "mtp", "draft-simple": "draft_model", "ngram-simple": "ngram"}
+MAX_K = 16
+
+
+@dataclass
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int = 3
+    min_speculative_tokens: int = 1
+    p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
+    draft_model: str | None = None
+    mtp_head: str | None = None  # head-only `mtp-*.gguf` file (default: layers in the model file, or shipped)
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    adaptive: bool = False
+
+    def __post_init__(self):
+        m = self.method
+        if m in MTP_ALIASES:
+            self.method = m = "mtp"
+        if m not in METHODS:
+            raise MtpllmError(f"unknown speculative method '{m}' (known: mtp (aliases deepseek_mtp, qwen3_next_mtp, "
+                              f"qwen3_5_mtp), draft_model, ngram)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+            raise MtpllmError(f"num_speculative_tokens must be an integer in 1..{MAX_K}, got {k!r}")
+        kmin = self.min_speculative_tokens
+        if not isinstance(kmin, int) or not 1 <= kmin <= k:
+            raise MtpllmError(f"minimum draft length must be an integer in 1..{k}, got {kmin!r}")
+        if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min < 1.0:
+            raise MtpllmError(f"draft p-min must be in [0, 1), got {self.p_min!r}")
+        if m == "draft_model" and not self.draft_model:
+            raise MtpllmError("method draft_model needs a draft model: \"model\": NAME_OR_PATH (or -md FILE)")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise MtpllmError(f"prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
+
+    def build(self, engine):
+        """The speculative decoder for this config on a loaded engine (loads draft model / MTP head)."""
+        from .verifier import SpeculativeDecoder
+        if self.method == "ngram":
+            from .ngram import NgramProposer
+            prop = NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+        elif self.method == "draft_model":
+            from .draft import DraftModelProposer
+            prop = DraftModelProposer.load(self.draft_model, engine)
+        else:
+            from .mtp import MTPProposer
+            prop = MTPProposer.for_engine(engine, self.mtp_head)
+        return SpeculativeDecoder(prop, self)
+
+
+_JSON_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+              "draft_p_min", "min_speculative_tokens", "adaptive", "mtp_head"}
+
+
+def parse_speculative_json(text: str) -> SpecConfig:
+    """vLLM's `--speculative-config` schema: {"method": ..., "num_speculative_tokens": N, ...}."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MtpllmError(f"--speculative: invalid JSON ({exc.msg} at column {exc.colno}): {text!r}") from None
+    if not isinstance(d, dict):
+        raise MtpllmError(f"--speculative: expected a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - _JSON_KEYS)
+    if unknown:
+        raise MtpllmError(f"--speculative: unknown keys {unknown} (known: {sorted(_JSON_KEYS)})")
+    if "method" not in d:
+        raise MtpllmError("--speculative: \"method\" is required (mtp, draft_model, ngram)")
+    if not isinstance(d["method"], str):
+        raise MtpllmError("--speculative: \"method\" must be a string")
+    return SpecConfig(
+        method=d["method"], num_speculative_tokens=d.get("num_speculative_tokens", 3),
+        min_speculative_tokens=d.get("min_speculative_tokens", 1), p_min=d.get("draft_p_min", 0.0),
+        draft_model=d.get("model"), mtp_head=d.get("mtp_head"),
+        prompt_lookup_min=d.get("prompt_lookup_min", 1), prompt_lookup_max=d.get("prompt_lookup_max", 4),
+        adaptive=bool(d.get("adaptive", False)))
+
+
+def add_spec_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", "--speculative-config", dest="speculative", default=None, metavar="JSON",
+                   help='vLLM-style, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
+    g.add_argument("--spec-type", default=None, metavar="TYPE",
+                   help="llama.cpp-style: none | draft-mtp | draft-simple | ngram-simple")
+    g.add_argument("--spec-draft-n-max", type=int, default=None, help="max draft tokens per step (default 3)")
+    g.add_argument("--spec-draft-n-min", type=int, default=None, help="min draft tokens per step (default 1)")
+    g.add_argument("--spec-draft-p-min", type=float, default=None,
+                   help="stop drafting when the draft's top probability is below this (default 0)")
+    g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
+                   help="draft model for draft-simple (registry name or GGUF path)")
+    g.add_argument("--spec-mtp-head", default=None, help="head-only mtp-*.gguf file for draft-mtp")
+    g.add_argument("--spec-adaptive", action="store_true", help="grow/shrink the draft length from acceptance")
+    g.add_argument("--spec-ngram-min", type=int, default=None, help="n-gram lookup: shortest match (default 1)")
+    g.add_argument("--spec-ngram-max", type=int, default=None, help="n-gram lookup: longest match (default 4)")
+
+
+def spec_from_args(a) -> SpecConfig | None:
+    """Combine --speculative JSON and llama.cpp-style flags into one validated SpecConfig (or None)."""
+    cfg = None
+    if a.speculative:
+        cfg = parse_speculative_json(a.speculative)
+    if a.spec_type is not None:
+        types = [t.strip() for t in a.spec_type.split(",") if t.strip()]
+        for t in types:
+            if t not in LLAMA_SPEC_TYPES:
+                hint = " (the name is draft-mtp)" if t == "mtp" else ""
+                raise MtpllmError(f"--spec-type: unknown type '{t}'{hint}; known: {', '.join(LLAMA_SPEC_TYPES)}")
+        types = [t for t in types if LLAMA_SPEC_TYPES[t]]
+        if len(types) > 1:
+            raise MtpllmError("--spec-type: chaining several types is not supported yet; give one")
+        if types:
+            if cfg is not None and cfg.method != LLAMA_SPEC_TYPES[types[0]]:
+                raise MtpllmError("--spec-type and --speculative name different methods")
+            cfg = cfg or SpecConfig(method=LLAMA_SPEC_TYPES[types[0]],
+                                    draft_model=a.spec_draft_model if types[0] == "draft-simple" else None)
+        elif cfg is None:
+            return None
+    elif cfg is None and a.spec_draft_model:
+        cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
+    if cfg is None:
+        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_mtp_head]
+        if any(f is not None for f in flags) or a.spec_adaptive:
+            raise MtpllmError("speculative options given without a method: add --spec-type or --speculative")
+        return None
+    if a.spec_draft_n_max is not None:
+        cfg.num_speculative_tokens = a.spec_draft_n_max
+    if a.spec_draft_n_min is not None:
+        cfg.min_speculative_tokens = a.spec_draft_n_min
+    if a.spec_draft_p_min is not None:
+        cfg.p_min = a.spec_draft_p_min
+    if a.spec_draft_model and cfg.method == "draft_model":
+        cfg.draft_model = a.spec_draft_model
+    if a.spec_mtp_head:
+        cfg.mtp_head = a.spec_mtp_head
+    if a.spec_ngram_min is not None:
+        cfg.prompt_lookup_min = a.spec_ngram_min
+    if a.spec_ngram_max is not None:
+        cfg.prompt_lookup_max = a.spec_ngram_max
+    cfg.adaptive = cfg.adaptive or a.spec_adaptive
+    cfg.__post_init__()
+    return cfg

@@ -1,0 +1,190 @@
+"""MTP proposer and MTP weight loading (GGUF in-file next-n layers or a head-only `mtp-*.gguf`).
+
+GGUF layout (llama.cpp): `<arch>.nextn_predict_layers = n`, `<arch>.block_count` includes the n
+MTP blocks; block L = block_count - n + j holds ordinary `blk.L.attn_*`/`ffn_*` tensors plus
+`blk.L.nextn.{eh_proj,enorm,hnorm,shared_head_norm}` (optional `shared_head_head`, `embed_tokens`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import MtpllmError
+from ..gguf.reader import GGUFFile
+from ..models.base import Embedding, build_block, make_rotaries, _norm
+from ..models.mtp import MTPHead
+from ..runtime.linear import make_linear
+
+HEAD_SHA_KEY = "mtpllm.trunk_sha256"
+
+
+def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = None) -> MTPHead:
+    """Build the first MTP block found in `g` (the trunk file itself or a head-only file) for `trunk`."""
+    tcfg = trunk.cfg
+    arch = g.get("general.architecture")
+    n_nextn = int(g.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    if n_nextn <= 0:
+        raise MtpllmError(f"{g.path}: no MTP layers ({arch}.nextn_predict_layers is missing or 0)")
+    if arch != tcfg.arch:
+        raise MtpllmError(f"{g.path}: MTP head is for architecture '{arch}', the model is '{tcfg.arch}'")
+    d = int(g.get(f"{arch}.embedding_length", 0))
+    if d != tcfg.d_model:
+        raise MtpllmError(f"{g.path}: MTP head hidden size {d} does not match the model's {tcfg.d_model}")
+    head_vocab = g.get(f"{arch}.vocab_size")
+    if head_vocab is not None and int(head_vocab) != tcfg.vocab_size:
+        raise MtpllmError(f"{g.path}: MTP head vocabulary {head_vocab} does not match the model's {tcfg.vocab_size}")
+    block_count = int(g.require(f"{arch}.block_count"))
+    L = block_count - n_nextn if layer is None else layer
+    p = f"blk.{L}."
+    if p + "nextn.eh_proj.weight" not in g:
+        raise MtpllmError(f"{g.path}: MTP block {L} has no tensor '{p}nextn.eh_proj.weight'")
+    eh = g.info(p + "nextn.eh_proj.weight")
+    if eh.shape != (tcfg.d_model, 2 * tcfg.d_model):
+        raise MtpllmError(f"{g.path}: nextn.eh_proj has shape {list(eh.shape)}, expected "
+                          f"[{tcfg.d_model}, {2 * tcfg.d_model}] for this model")
+    qshape = g.info(p + "attn_q.weight").shape
+    if qshape != (tcfg.n_heads * tcfg.head_dim, tcfg.d_model):
+        raise MtpllmError(f"{g.path}: MTP block attention shape {list(qshape)} does not fit the model")
+    full_rot, _ = make_rotaries(trunk.gguf, tcfg)
+    cfg = tcfg
+    if (p + "attn_q.bias" in g) != cfg.qkv_bias:
+        from dataclasses import replace
+        cfg = replace(cfg, qkv_bias=p + "attn_q.bias" in g)
+    block = build_block(g, cfg, L, full_rot, mode)
+    eps = tcfg.norm_eps
+    lm_head = make_linear(g, [p + "nextn.shared_head_head.weight"], mode=mode) \
+        if p + "nextn.shared_head_head.weight" in g else None
+    embed = None
+    if p + "nextn.embed_tokens.weight" in g:
+        e = g.info(p + "nextn.embed_tokens.weight")
+        embed = Embedding(g.raw(e.name), e.qtype, e.shape[0], e.shape[1], tcfg.embed_scale)
+    head = MTPHead(_norm(g, p + "nextn.enorm.weight", eps), _norm(g, p + "nextn.hnorm.weight", eps),
+                   make_linear(g, [p + "nextn.eh_proj.weight"], mode=mode), block,
+                   _norm(g, p + "nextn.shared_head_norm.weight", eps), lm_head, embed)
+    head.eval()
+    return head
+
+
+def check_head_trunk(g: GGUFFile, trunk_path: Path) -> None:
+    """A head trained for another trunk (recorded SHA-256 differs) is refused."""
+    want = g.get(HEAD_SHA_KEY)
+    if not want:
+        return
+    from ..registry import sha256_cached
+    have = sha256_cached(trunk_path)
+    if have != want:
+        raise MtpllmError(f"{g.path}: this MTP head was trained for a model with sha256 {want[:16]}..., "
+                          f"but {trunk_path.name} has sha256 {have[:16]}...; use the head made for this model "
+                          f"or train one with `mtpllm train-mtp`")
+
+
+def find_head_for(trunk_path: Path) -> Path | None:
+    """A shipped or cached head for a registry model: `mtp-<model>.gguf` next to the package or the model."""
+    from ..registry import find_entry_by_path
+    entry = find_entry_by_path(trunk_path)
+    names = [f"mtp-{entry.name}.gguf"] if entry else []
+    names.append(f"mtp-{trunk_path.stem}.gguf")
+    dirs = [Path(__file__).resolve().parent.parent / "heads", trunk_path.parent]
+    for d in dirs:
+        for n in names:
+            if (d / n).exists():
+                return d / n
+    return None
+
+
+class MTPProposer:
+    """Drafts with an MTP head from the trunk's hidden states (no second pass of the trunk)."""
+
+    def __init__(self, head: MTPHead, trunk, n_ctx: int, device="cpu"):
+        self.head = head
+        self.trunk = trunk
+        self.embed = head.embed or trunk.embed
+        self.lm_head = head.lm_head or trunk.lm_head
+        self.cache = head.make_cache(trunk.cfg, n_ctx, device)
+        self.device = device
+        self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
+        self.pending_h: torch.Tensor | None = None  # trunk hidden states not yet fed to the head
+        self.pending_start = 0  # position of pending_h[0]
+
+    @classmethod
+    def for_engine(cls, engine, head_path: str | None = None) -> "MTPProposer":
+        trunk = engine.model
+        mode = "f32" if trunk.lm_head.kind == "f32" else "fast"
+        src = trunk.source
+        if head_path:
+            hp = Path(head_path).expanduser()
+            g = GGUFFile(hp)
+            check_head_trunk(g, src)
+        elif trunk.cfg.n_nextn > 0:
+            g = trunk.gguf
+        else:
+            found = find_head_for(src)
+            if found is None:
+                raise MtpllmError(
+                    f"{src.name} has no MTP layers ({trunk.cfg.arch}.nextn_predict_layers = 0). Train a head with "
+                    f"`mtpllm train-mtp -m {src} --data TEXT... -o mtp-{src.stem}.gguf` and pass it with "
+                    f"--spec-mtp-head, or use --spec-type ngram-simple / draft-simple")
+            g = GGUFFile(found)
+            check_head_trunk(g, src)
+        head = load_mtp_head(g, trunk, mode)
+        if engine.device != "cpu":
+            head.to(engine.device)
+        return cls(head, trunk, engine.n_ctx, engine.device)
+
+    # the head's cache entry at position i needs t_{i+1}: it can reuse entries for prompt[1:]
+    def reusable_prefix(self, prompt: list[int]) -> int:
+        common = 0
+        for a, b in zip(self.tokens, prompt[1:]):
+            if a != b:
+                break
+            common += 1
+        return min(common, self.cache.length)
+
+    def begin(self, engine, prompt, prompt_hidden: torch.Tensor, start: int) -> None:
+        self.cache.trim(self.cache.length - start)
+        self.tokens = list(prompt[1:start + 1])
+        self.pending_h = prompt_hidden  # positions start .. len(prompt)-1
+        self.pending_start = start
+
+    @torch.inference_mode()
+    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0):
+        p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
+        c = self.cache.length
+        assert c == self.pending_start, "MTP cache out of step with the trunk"
+        k = min(k, self.cache.max_len - p0)
+        if k <= 0 or self.pending_h is None:
+            return [], []
+        # catch-up: true entries for positions c..p0-1 with (t_{i+1}, h_i)
+        toks = torch.tensor(history[c + 1:p0 + 1], dtype=torch.long, device=self.device)
+        g = self.head(self.embed(toks), self.pending_h, self.cache)
+        self.tokens = list(history[1:p0 + 1])
+        self.pending_h = None
+        drafts, qs = [], []
+        hist = list(history)
+        g_last = g[-1:]
+        for i in range(k):
+            logits = self.lm_head(g_last)[0]
+            if sampler.p.greedy and not sampler.p.uses_penalties:
+                d = int(logits.argmax())
+                q = None
+                top = float(torch.softmax(logits, -1)[d]) if p_min > 0 else 1.0
+            else:
+                q = sampler.probs(logits, hist)
+                d = sampler.sample_from(q)
+                top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
+                if sampler.p.greedy:
+                    q = None
+            if top < p_min:
+                break
+            drafts.append(d)
+            qs.append(q)
+            hist.append(d)
+            if i + 1 < k:
+                g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, self.cache)
+        self.cache.trim(self.cache.length - p0)  # drop speculative recursion entries
+        return drafts, qs
+
+    def accept(self, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
+        self.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
+        self.pending_start = self.cache.length

@@ -1,0 +1,33 @@
+"""N-gram / prompt-lookup proposer: drafts the continuation of the latest earlier occurrence
+of the sequence's last n tokens (n from max down to min), searching prompt and output."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class NgramProposer:
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+
+    def reusable_prefix(self, prompt: list[int]) -> int:
+        return len(prompt)  # stateless
+
+    def begin(self, engine, prompt, prompt_hidden, start) -> None:
+        pass
+
+    def propose(self, history: list[int], k: int, sampler=None, p_min: float = 0.0):
+        arr = np.asarray(history, dtype=np.int64)
+        L = len(arr)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            pattern = arr[L - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)  # earlier windows only
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                cont = arr[start:start + k].tolist()
+                if cont:
+                    return cont, [None] * len(cont)  # one-hot drafts: q(d) = 1
+        return [], []
+
+    def accept(self, history, n_accepted, target_hidden) -> None:
+        pass

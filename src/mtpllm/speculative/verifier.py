@@ -1,0 +1,175 @@
+"""One verifier for every proposer; the acceptance rule lives here and only here.
+
+Per step: the proposer drafts d1..dk after the last emitted token x0; the target runs ONCE over
+[x0, d1..dk] (k+1 positions, logits L0..Lk, L_i predicts the token after d_i with d_0 = x0).
+Left to right:
+  greedy (temperature 0): accept d_i while d_i == argmax(L_{i-1}); at the first mismatch emit
+      argmax(L_{i-1}) and stop; if all k match, emit the bonus token argmax(L_k).
+  sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+      Chen et al. 2023): p = target distribution, q = draft distribution, both AFTER the same
+      temperature/top-k/top-p/min-p/penalty transforms. Accept d_i with probability
+      min(1, p(d_i)/q(d_i)); on rejection sample from normalize(max(0, p - q)) and stop; if all
+      are accepted, sample the bonus token from p(L_k). A one-hot draft (n-gram, greedy draft)
+      has q(d_i) = 1. The emitted tokens are then distributed exactly as plain sampling from p.
+Rejected positions are rolled back with `KVCache.trim`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class SpecStats:
+    """vLLM-style speculative metrics for one generation."""
+    num_drafts: int = 0  # verification steps that checked at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens emitted per target forward (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of steps that drafted position i whose draft i was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += n_drafted
+        self.num_accepted_tokens += n_accepted
+        while len(self.drafted_per_pos) < n_drafted:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for i in range(n_drafted):
+            self.drafted_per_pos[i] += 1
+            if i < n_accepted:
+                self.accepted_per_pos[i] += 1
+
+    def to_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance": self.per_position_acceptance,
+                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms}
+
+    def summary(self) -> str:
+        pos = " ".join(f"{r:.2f}" for r in self.per_position_acceptance)
+        return (f"{'speculative':>16} = {self.num_drafts} drafts, {self.num_accepted_tokens}/{self.num_draft_tokens} "
+                f"accepted ({100 * self.acceptance_rate:.1f}%), mean acceptance length "
+                f"{self.mean_acceptance_length:.2f}, per position [{pos}], draft {self.draft_ms:.0f} ms, "
+                f"verify {self.verify_ms:.0f} ms")
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)): where to sample after rejecting a draft (this is what makes it lossless)."""
+    residual = (p - q).clamp_min(0)
+    total = float(residual.sum())
+    if total <= 0:  # p == q numerically: the residual is empty and p itself is the right law
+        return p / float(p.sum())
+    return residual / total
+
+
+def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sampler,
+                  history: list[int]) -> tuple[int, int]:
+    """Apply the acceptance rule. logits [len(drafts)+1, V]; qs[i] = draft distribution [V] or None (one-hot).
+
+    Returns (number of drafts accepted, the next token: correction on rejection, bonus otherwise).
+    """
+    params = sampler.p
+    if params.greedy and not params.uses_penalties:
+        target = logits.argmax(-1).tolist()  # all positions at once
+        n = 0
+        while n < len(drafts) and drafts[n] == target[n]:
+            n += 1
+        return n, target[n]
+    hist = list(history)
+    for i, d in enumerate(drafts):
+        p = sampler.probs(logits[i], hist)
+        q = qs[i] if i < len(qs) else None
+        q_d = 1.0 if q is None else float(q[d])
+        if params.greedy:
+            ok = bool(p[d] == 1.0)
+        else:
+            r = float(torch.rand((), generator=sampler.gen))
+            ok = r * q_d < float(p[d])  # r < min(1, p/q)
+        if ok:
+            hist.append(d)
+            continue
+        if params.greedy:
+            return i, int(p.argmax())
+        if q is None:
+            q = torch.zeros_like(p)
+            q[d] = 1.0
+        return i, sampler.sample_from(residual_distribution(p, q))
+    return len(drafts), sampler.sample_from(sampler.probs(logits[len(drafts)], hist))
+
+
+class SpeculativeDecoder:
+    """Step generator for speculative decoding with any proposer (see module docstring)."""
+
+    def __init__(self, proposer, cfg):
+        self.proposer = proposer
+        self.cfg = cfg
+        self.stats = SpecStats()
+
+    def steps(self, engine, prompt: list[int], sampler: Sampler):
+        self.stats = stats = SpecStats()
+        cfg, prop = self.cfg, self.proposer
+        model, cache = engine.model, engine.cache
+        draft_sampler = Sampler(sampler.p, engine.device)
+        if sampler.p.seed is not None:
+            draft_sampler.gen.manual_seed(int(sampler.p.seed) ^ 0x5EED)
+        hidden_last = engine._prefill(prompt, max_reuse=prop.reusable_prefix(prompt))
+        history = list(prompt)
+        x0 = sampler.sample(model.logits(hidden_last)[0], history)
+        prop.begin(engine, prompt, engine.last_prompt_hidden, engine.last_cached_n)
+        yield []  # prefill done
+        history.append(x0)
+        yield [x0]
+        k = cfg.num_speculative_tokens
+        while True:
+            # verification stores x0 + drafts, and the emitted token must still fit: total <= n_ctx
+            room = cache.max_len - cache.length - 2
+            if room < 0:
+                return
+            t0 = time.perf_counter()
+            drafts, qs = prop.propose(history, min(k, room), draft_sampler, cfg.p_min) if room > 0 else ([], [])
+            t1 = time.perf_counter()
+            inp = torch.tensor([x0] + drafts, dtype=torch.long, device=engine.device)
+            hidden = model(inp, cache)  # [1+len(drafts), D]
+            logits = model.logits(hidden)
+            n, y = accept_drafts(logits, drafts, qs, sampler, history)
+            cache.trim(len(drafts) - n)
+            engine._cached_tokens.extend([x0] + drafts[:n])
+            t2 = time.perf_counter()
+            new = drafts[:n] + [y]
+            history.extend(new)
+            prop.accept(history, n, hidden[: n + 1])
+            t3 = time.perf_counter()
+            stats.record(len(drafts), n)
+            stats.draft_ms += (t1 - t0 + t3 - t2) * 1e3
+            stats.verify_ms += (t2 - t1) * 1e3
+            if cfg.adaptive and drafts:
+                if n == len(drafts) == k:
+                    k = min(k + 1, cfg.num_speculative_tokens)
+                elif n == 0:
+                    k = max(k - 1, cfg.min_speculative_tokens)
+            x0 = y
+            yield new

@@ -1,0 +1,28 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tiny import make_tiny, make_tiny_head  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dir):
+    """One tiny model file per architecture."""
+    return {arch: make_tiny(tiny_dir / f"tiny-{arch}.gguf", arch) for arch in ("qwen2", "qwen3", "llama", "gemma3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp(tiny_dir):
+    """A tiny qwen2 model with one MTP block in llama.cpp's in-file layout."""
+    return make_tiny(tiny_dir / "tiny-qwen2-mtp.gguf", "qwen2", nextn=1, seed=3)

@@ -1,0 +1,108 @@
+"""Every architecture loads from GGUF, generates, and is self-consistent: the KV-cached
+incremental forward equals the full forward, the compressed path tracks the fp32 path."""
+import pytest
+import torch
+
+from mtpllm.errors import MtpllmError
+from mtpllm.models import load_model
+from mtpllm.models.config import RopeConfig
+from mtpllm.models.layers import rope_inv_freq
+from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.sampling import SamplingParams
+
+ARCHES = ["qwen2", "qwen3", "llama", "gemma3"]
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_incremental_equals_full_forward(tiny_models, arch):
+    m = load_model(tiny_models[arch], "f32")
+    toks = torch.randint(0, m.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
+    full = m.logits(m(toks, m.make_cache(64)))
+    cache = m.make_cache(64)
+    parts = [m.logits(m(toks[:7], cache))]
+    parts += [m.logits(m(toks[i:i + 1], cache)) for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(parts), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fast_path_tracks_f32(tiny_models, arch):
+    toks = torch.arange(1, 30)
+    ref = load_model(tiny_models[arch], "f32")
+    fast = load_model(tiny_models[arch], "fast")
+    a = ref.logits(ref(toks, ref.make_cache(64)))
+    b = fast.logits(fast(toks, fast.make_cache(64)))
+    # bf16 activations/weights: logits agree to a few percent of their spread
+    assert (a - b).abs().max() < 0.05 * a.std() * 10
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_gemma3_config_and_sliding_window(tiny_models):
+    m = load_model(tiny_models["gemma3"], "f32")
+    c = m.cfg
+    assert c.sandwich_norm and c.qk_norm and c.act == "gelu_tanh" and c.tied_embeddings
+    assert c.embed_scale == pytest.approx(16.0)  # sqrt(256)
+    assert c.swa_layers == (True, True) and c.sliding_window == 8
+    # beyond the window, a sliding layer must not see the first tokens: changing token 0 changes
+    # nothing at position 30 only if every layer is windowed (true here: 2 layers, both sliding,
+    # receptive field 2 * 7 < 30)
+    cache = m.make_cache(64)
+    t = torch.randint(0, c.vocab_size, (31,), generator=torch.Generator().manual_seed(1))
+    a = m.logits(m(t, cache))[-1]
+    t2 = t.clone()
+    t2[0] = (t[0] + 1) % c.vocab_size
+    b = m.logits(m(t2, m.make_cache(64)))[-1]
+    torch.testing.assert_close(a, b)
+    # while position 3 does see token 0
+    assert not torch.allclose(m.logits(m(t[:4], m.make_cache(8)))[-1], m.logits(m(t2[:4], m.make_cache(8)))[-1])
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_generate_greedy_deterministic(tiny_models, arch):
+    e = Engine.load(str(tiny_models[arch]), n_ctx=128)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = e.generate("the cat sat", p, chat=False)
+    b = e.generate("the cat sat", p, chat=False)
+    assert a.tokens == b.tokens and len(a.tokens) == 12 and a.finish_reason == "length"
+    assert a.timings.predicted_n == 12 and a.timings.prompt_n > 0
+    assert b.timings.cached_n > 0  # second call reuses the cached prompt prefix
+
+
+def test_seeded_sampling_reproducible(tiny_models):
+    e = Engine.load(str(tiny_models["qwen2"]), n_ctx=128)
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42, max_tokens=16)
+    assert e.generate("abc", p, chat=False).tokens == e.generate("abc", p, chat=False).tokens
+    p2 = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=43, max_tokens=16)
+    assert e.generate("abc", p, chat=False).tokens != e.generate("abc", p2, chat=False).tokens
+
+
+def test_context_overflow_is_clear(tiny_models):
+    e = Engine.load(str(tiny_models["qwen2"]), n_ctx=32)
+    with pytest.raises(MtpllmError, match="prompt is .* tokens but the context size is 32"):
+        e.generate("x" * 200, SamplingParams(temperature=0, max_tokens=4), chat=False)
+    c = e.generate("hello", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), chat=False)
+    assert c.finish_reason == "context" and len(c.tokens) + c.prompt_tokens == 32
+
+
+def test_empty_prompt(tiny_models):
+    e = Engine.load(str(tiny_models["qwen2"]), n_ctx=32)
+    with pytest.raises(MtpllmError, match="empty prompt"):
+        e.generate("", SamplingParams(max_tokens=4), chat=False)
+
+
+def test_yarn_matches_transformers():
+    tr = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import PretrainedConfig
+    for base, dim, factor, orig in [(10000.0, 128, 4.0, 32768), (1e6, 64, 2.0, 4096), (500000.0, 128, 8.0, 8192)]:
+        cfg = PretrainedConfig()
+        cfg.rope_theta = base
+        cfg.hidden_size = dim * 8
+        cfg.num_attention_heads = 8
+        cfg.head_dim = dim
+        cfg.max_position_embeddings = int(orig * factor)
+        cfg.rope_parameters = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+                               "rope_theta": base}
+        cfg.rope_scaling = cfg.rope_parameters
+        inv_ref, att_ref = tr.ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        inv, att = rope_inv_freq(RopeConfig(base=base, scaling="yarn", factor=factor, orig_ctx=orig), dim)
+        torch.testing.assert_close(inv, inv_ref.float(), rtol=1e-5, atol=0)
+        assert att == pytest.approx(att_ref, rel=1e-6)
