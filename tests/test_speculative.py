@@ -251,3 +251,21 @@ def test_draft_vocab_mismatch(target, tiny_dir):
     gem = make_tiny(tiny_dir / "g2.gguf", "gemma3")
     with pytest.raises(MtpllmError, match="must share the target's tokenizer"):
         SpecConfig("draft_model", draft_model=str(gem)).build(target)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_adaptive_draft_length_keeps_identity(target, method):
+    ref = _plain(target, GREEDY)
+    cfg = SpecConfig(method=method, num_speculative_tokens=5, min_speculative_tokens=1, adaptive=True)
+    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+    assert out.tokens == ref.tokens
+    assert max(len(out.stats.drafted_per_pos), 1) <= 5
+
+
+def test_p_min_stops_drafting(target):
+    ref = _plain(target, GREEDY)
+    cfg = SpecConfig(method="mtp", num_speculative_tokens=4, p_min=0.999)
+    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+    assert out.tokens == ref.tokens
+    # a random head is never 99.9% sure: drafting stops early, so few draft tokens are checked
+    assert out.stats.num_draft_tokens < len(out.tokens)
