@@ -8,6 +8,7 @@ from ..gguf.reader import GGUFFile
 from ..models.base import load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
+from .verifier import draft_token
 
 
 def check_vocab_compatible(target_tok: GGUFTokenizer, draft_tok: GGUFTokenizer, name: str) -> None:
@@ -69,18 +70,7 @@ class DraftModelProposer:
         drafts, qs = [], []
         hist = list(history)
         for i in range(k):
-            logits = self.model.logits(h)[0]
-            if sampler.p.greedy and not sampler.p.uses_penalties:
-                probs = torch.softmax(logits, -1) if p_min > 0 else None
-                d = int(logits.argmax())
-                top = float(probs[d]) if probs is not None else 1.0
-                q = None
-            else:
-                q = sampler.probs(logits, hist)
-                d = sampler.sample_from(q)
-                top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
-                if sampler.p.greedy:
-                    q = None
+            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist)
             if top < p_min:
                 break
             drafts.append(d)

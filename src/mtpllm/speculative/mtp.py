@@ -15,6 +15,7 @@ from ..gguf.reader import GGUFFile
 from ..models.base import Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
+from .verifier import draft_token
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
@@ -24,10 +25,10 @@ def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = No
     tcfg = trunk.cfg
     arch = g.get("general.architecture")
     n_nextn = int(g.get(f"{arch}.nextn_predict_layers", 0) or 0)
-    if n_nextn <= 0:
-        raise MtpllmError(f"{g.path}: no MTP layers ({arch}.nextn_predict_layers is missing or 0)")
     if arch != tcfg.arch:
         raise MtpllmError(f"{g.path}: MTP head is for architecture '{arch}', the model is '{tcfg.arch}'")
+    if n_nextn <= 0:
+        raise MtpllmError(f"{g.path}: no MTP layers ({arch}.nextn_predict_layers is missing or 0)")
     d = int(g.get(f"{arch}.embedding_length", 0))
     if d != tcfg.d_model:
         raise MtpllmError(f"{g.path}: MTP head hidden size {d} does not match the model's {tcfg.d_model}")
@@ -164,17 +165,7 @@ class MTPProposer:
         hist = list(history)
         g_last = g[-1:]
         for i in range(k):
-            logits = self.lm_head(g_last)[0]
-            if sampler.p.greedy and not sampler.p.uses_penalties:
-                d = int(logits.argmax())
-                q = None
-                top = float(torch.softmax(logits, -1)[d]) if p_min > 0 else 1.0
-            else:
-                q = sampler.probs(logits, hist)
-                d = sampler.sample_from(q)
-                top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
-                if sampler.p.greedy:
-                    q = None
+            d, q, top = draft_token(self.lm_head(g_last)[0], sampler, hist)
             if top < p_min:
                 break
             drafts.append(d)

@@ -77,6 +77,19 @@ class SpecStats:
                 f"verify {self.verify_ms:.0f} ms")
 
 
+def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int]) -> tuple[int, torch.Tensor | None, float]:
+    """A proposer's choice from its own logits [V]: (token, q or None when one-hot, draft's top probability).
+
+    q is taken after the same transforms as the target's p (the sampler is built from the same
+    parameters); greedy drafts are one-hot (q = None)."""
+    if sampler.p.greedy and not sampler.p.uses_penalties:
+        d = int(logits.argmax())
+        return d, None, float(torch.softmax(logits, -1)[d])
+    q = sampler.probs(logits, history)
+    d = sampler.sample_from(q)
+    return d, (None if sampler.p.greedy else q), float(torch.softmax(logits, -1).max())
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)): where to sample after rejecting a draft (this is what makes it lossless)."""
     residual = (p - q).clamp_min(0)
