@@ -102,7 +102,7 @@ def make_linear(g: GGUFFile, names: list[str], bias_names: list[str] | None = No
     bias = None
     if bias_names:
         bias = torch.cat([g.load(b).reshape(-1) for b in bias_names])
-    if mode == "fast" and all(i.qtype == QT.Q4_K for i in infos) and k % 256 == 0 and torch.device.type:
+    if mode == "fast" and all(i.qtype == QT.Q4_K for i in infos) and k % 256 == 0:
         qs, szs = zip(*(q4k_to_int4(g.raw(i.name), i.shape[0], k) for i in infos))
         q = torch.cat(qs, dim=0)
         sz = torch.cat(szs, dim=1)

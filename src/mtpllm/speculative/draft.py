@@ -70,7 +70,7 @@ class DraftModelProposer:
         drafts, qs = [], []
         hist = list(history)
         for i in range(k):
-            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist)
+            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, p_min)
             if top < p_min:
                 break
             drafts.append(d)

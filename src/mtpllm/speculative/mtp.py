@@ -165,7 +165,7 @@ class MTPProposer:
         hist = list(history)
         g_last = g[-1:]
         for i in range(k):
-            d, q, top = draft_token(self.lm_head(g_last)[0], sampler, hist)
+            d, q, top = draft_token(self.lm_head(g_last)[0], sampler, hist, p_min)
             if top < p_min:
                 break
             drafts.append(d)

@@ -77,17 +77,23 @@ class SpecStats:
                 f"verify {self.verify_ms:.0f} ms")
 
 
-def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int]) -> tuple[int, torch.Tensor | None, float]:
+def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
+                p_min: float = 0.0) -> tuple[int, torch.Tensor | None, float]:
     """A proposer's choice from its own logits [V]: (token, q or None when one-hot, draft's top probability).
 
     q is taken after the same transforms as the target's p (the sampler is built from the same
-    parameters); greedy drafts are one-hot (q = None)."""
+    parameters); greedy drafts are one-hot (q = None). The top probability is only computed when
+    a p-min cut-off asks for it (a softmax over the whole vocabulary per draft step); else 1.0."""
     if sampler.p.greedy and not sampler.p.uses_penalties:
         d = int(logits.argmax())
-        return d, None, float(torch.softmax(logits, -1)[d])
-    q = sampler.probs(logits, history)
-    d = sampler.sample_from(q)
-    return d, (None if sampler.p.greedy else q), float(torch.softmax(logits, -1).max())
+        q = None
+    else:
+        q = sampler.probs(logits, history)
+        d = sampler.sample_from(q)
+        if sampler.p.greedy:
+            q = None
+    top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
+    return d, q, top
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
