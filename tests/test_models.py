@@ -106,3 +106,18 @@ def test_yarn_matches_transformers():
         inv, att = rope_inv_freq(RopeConfig(base=base, scaling="yarn", factor=factor, orig_ctx=orig), dim)
         torch.testing.assert_close(inv, inv_ref.float(), rtol=1e-5, atol=0)
         assert att == pytest.approx(att_ref, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["f32", "fast"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_verification_block_is_bitwise_equal_to_decoding(tiny_models, arch, mode):
+    """Speculative verification runs k+1 tokens in one forward; every row must equal, bit for bit,
+    the one-token decoding step at that position (this is what makes greedy identity exact)."""
+    m = load_model(tiny_models[arch], mode)
+    toks = torch.randint(0, m.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+    cache = m.make_cache(64)
+    m(toks[:17], cache)
+    block = m.logits(m(toks[17:24], cache))
+    cache.trim(7)
+    steps = torch.cat([m.logits(m(toks[i:i + 1], cache)) for i in range(17, 24)])
+    assert torch.equal(block, steps)

@@ -123,3 +123,21 @@ def test_q4k_int4_mapping_is_exact_up_to_bf16_scales():
     x = torch.randn(3, k)
     y_ref = x.bfloat16().float() @ w.t()
     torch.testing.assert_close(lin(x), y_ref, rtol=2e-2, atol=2e-2 * float(y_ref.abs().max()))
+
+
+def test_int8_rows_track_the_dequantized_weight():
+    """int8 with one scale per row: each weight within half a step (max|row|/127/2, plus the bf16
+    rounding of the scale, relative 2^-8) of the float weight; the kernel matches x @ w^T for
+    bf16 activations; prompt-sized inputs take the fp32 GEMM with the same weights."""
+    from mtpllm.runtime.linear import GEMM_MIN_ROWS, int8_linear
+    rng = np.random.default_rng(1)
+    raw = quantize(rng.normal(0, 0.05, size=(96, 256)).astype(np.float32), QT.Q5_0)
+    w = dequantize(raw, QT.Q5_0, (96, 256))
+    lin = int8_linear(w)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((lin.dequantized() - w).abs() <= step * (0.5 + 2 ** -7)).all()
+    x = torch.randn(3, 256)
+    ref = x.bfloat16().float() @ lin.dequantized().t()
+    torch.testing.assert_close(lin(x), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    xb = torch.randn(GEMM_MIN_ROWS, 256)
+    torch.testing.assert_close(lin(xb), xb @ lin.dequantized().t(), rtol=1e-5, atol=1e-5)

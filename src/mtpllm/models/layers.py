@@ -13,6 +13,8 @@ from torch import nn
 
 from .config import ModelConfig, RopeConfig
 
+ROW_BY_ROW_MAX = 32  # blocks up to this many tokens (speculative verification) attend row by row
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w. GGUF files store Gemma's (1 + w) already folded into w."""
@@ -107,6 +109,20 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.window = window  # 0 = full attention
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """q [1, H, T, D] over keys/values [KV, L, D] at key positions [L] -> [1, H, T, D]."""
+        T = q.shape[2]
+        mask = None
+        qpos = positions[:, None]
+        if T > 1 or (self.window and int(positions[-1]) - int(key_pos[0]) >= self.window):
+            allowed = key_pos[None, :] <= qpos  # [T, L]
+            if self.window:
+                allowed &= (qpos - key_pos[None, :]) < self.window
+            mask = allowed
+        return F.scaled_dot_product_attention(q, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask,
+                                              scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv(x)
@@ -118,16 +134,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
         keys, values, key_pos = kv.update(layer, k, v, positions)  # [KV, L, D], [KV, L, D], [L]
-        mask = None
-        qpos = positions[:, None]
-        if T > 1 or (self.window and int(positions[-1]) - int(key_pos[0]) >= self.window):
-            allowed = key_pos[None, :] <= qpos  # [T, L]
-            if self.window:
-                allowed &= (qpos - key_pos[None, :]) < self.window
-            mask = allowed
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv)  # [1, H, T, D]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        if 1 < T <= ROW_BY_ROW_MAX:
+            # verification blocks: each query row attends exactly as in one-token decoding (same
+            # kernel, same key range, no mask), so speculative and plain greedy decoding agree
+            # bit for bit; a batched masked kernel sums in another order
+            L0 = keys.shape[1] - T
+            o = torch.cat([self._attend(qh[:, :, t:t + 1], keys[:, :L0 + t + 1], values[:, :L0 + t + 1],
+                                        key_pos[:L0 + t + 1], positions[t:t + 1]) for t in range(T)], dim=2)
+        else:
+            o = self._attend(qh, keys, values, key_pos, positions)
         return self.out(o[0].transpose(0, 1).reshape(T, self.n_heads * self.hd))
 
 

@@ -147,9 +147,12 @@ class Engine:
         self._cached_tokens = list(prompt[:common])
         self.last_cached_n = common
         todo = torch.tensor(prompt[common:], dtype=torch.long, device=self.device)
-        hidden = None
-        for s in range(0, todo.shape[0], PREFILL_CHUNK):
-            hidden = self.model(todo[s:s + PREFILL_CHUNK], cache)
+        # the last prompt token always goes alone, through the one-token decoding kernels: a later
+        # request that reuses this prefix recomputes just that token, and gets the same bits
+        parts = [self.model(todo[s:min(s + PREFILL_CHUNK, todo.shape[0] - 1)], cache)
+                 for s in range(0, todo.shape[0] - 1, PREFILL_CHUNK)]
+        parts.append(self.model(todo[-1:], cache))
+        hidden = torch.cat(parts)
         self._cached_tokens = list(prompt)
         self.last_prompt_hidden = hidden
         return hidden[-1:]

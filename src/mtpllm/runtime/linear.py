@@ -2,7 +2,10 @@
 
 `Linear` keeps a weight in one of these formats, picked per tensor by `make_linear`:
   - "f32":  dequantized float32 (the exact reference path, `--dequantize`)
-  - "bf16": dequantized bfloat16 (types with no exact compressed kernel)
+  - "int8": other quantized types (Q8_0, Q5_0, Q6_K, ...) requantized to int8 with one scale per
+            output row, run by `aten._weight_int8pack_mm` (bf16 activations). Not bit-exact to the
+            file (per-row instead of per-block scales): the row's step max|w|/127 is a fraction
+            of the 5-6-bit types' own block steps, and perplexity is checked against the fp32 path.
   - "int4": GGUF Q4_K mapped exactly onto group-32 asymmetric int4 (see `q4k_to_int4`),
             run by `aten._weight_int4pack_mm_for_cpu` on CPU.
 Several GGUF tensors that share an input (q/k/v, gate/up) can be fused into one `Linear`.
@@ -17,6 +20,11 @@ from gguf import GGMLQuantizationType as QT
 from ..gguf.reader import GGUFFile
 
 INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
+# From this many rows on (prompt chunks), int8 weights are dequantized and multiplied by an fp32
+# GEMM (measured: int8 kernel 11.6 ms for 64 rows of a 4864x896 matrix, ~linear in rows). Kept
+# above the largest verification block (1 + 16 drafts) so decoding and verification always use
+# the same row-independent kernel.
+GEMM_MIN_ROWS = 32
 
 
 def q4k_to_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +56,7 @@ def q4k_to_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
 
 
 class Linear(torch.nn.Module):
-    """y = x @ W^T (+ b) with W stored as f32, bf16 or packed int4. x: [T, K] float32 -> [T, N] float32."""
+    """y = x @ W^T (+ b) with W stored as f32, int8 or packed int4. x: [T, K] float32 -> [T, N] float32."""
 
     def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  scales_zeros: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0):
@@ -62,9 +70,15 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "f32":
+            if 1 < x.shape[0] < GEMM_MIN_ROWS:
+                # verification blocks: the BLAS GEMM sums in another order than the one-row GEMV of
+                # decoding; row by row keeps speculative output bit-identical on the exact path
+                return torch.cat([F.linear(r, self.weight, self.bias) for r in x.split(1)])
             return F.linear(x, self.weight, self.bias)
-        if self.kind == "bf16":
-            y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        if self.kind == "int8":
+            if x.shape[0] >= GEMM_MIN_ROWS:  # prefill: the int8 kernel's cost is linear in rows; fp32 GEMM blocks
+                return F.linear(x, self.weight.float() * self.scales_zeros.float()[:, None], self.bias)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales_zeros).float()
         else:  # int4
             if x.device.type == "cpu":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -76,8 +90,10 @@ class Linear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 [N, K] (for the MTP trainer and tests)."""
-        if self.kind in ("f32", "bf16"):
-            return self.weight.float()
+        if self.kind == "f32":
+            return self.weight
+        if self.kind == "int8":
+            return self.weight.float() * self.scales_zeros.float()[:, None]
         eye = torch.eye(self.in_features, dtype=torch.float32)
         saved = self.bias
         self.bias = None
@@ -90,12 +106,19 @@ class Linear(torch.nn.Module):
         return f"{self.in_features}->{self.out_features}, kind={self.kind}"
 
 
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """float32 [N, K] -> int8 with one bf16 scale per output row (symmetric, round to nearest)."""
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return Linear("int8", q, bias, scale)
+
+
 def make_linear(g: GGUFFile, names: list[str], bias_names: list[str] | None = None,
                 mode: str = "fast") -> Linear:
     """Build one Linear from one or more GGUF weight tensors (fused along the output dim).
 
-    mode "f32": everything dequantized to float32; "fast": Q4_K -> int4, other quantized types -> bf16,
-    float types -> f32.
+    mode "f32": everything dequantized to float32; "fast": Q4_K -> int4, other quantized types -> int8
+    per output row, float types -> f32.
     """
     infos = [g.info(n) for n in names]
     k = infos[0].shape[1]
@@ -110,5 +133,5 @@ def make_linear(g: GGUFFile, names: list[str], bias_names: list[str] | None = No
         return Linear("int4", packed, bias, sz, out_features=q.shape[0], in_features=k)
     w = torch.cat([g.load(n) for n in names], dim=0)
     if mode == "fast" and any(i.qtype not in (QT.F32, QT.F16) for i in infos):
-        return Linear("bf16", w.to(torch.bfloat16), bias)
+        return int8_linear(w, bias)
     return Linear("f32", w, bias)
