@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 import warnings
 
 from .errors import MtpllmError
@@ -204,9 +206,77 @@ def cmd_chat(argv: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- train-mtp
+def cmd_train_mtp(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="mtpllm train-mtp",
+                                 description="Retrofit an MTP head onto a model by self-distillation; "
+                                             "writes a llama.cpp-style head-only mtp-*.gguf.")
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="registry name or GGUF path (the frozen trunk)")
+    ap.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .jsonl)")
+    ap.add_argument("--exclude", action="append", default=[], help="skip files whose path contains this")
+    ap.add_argument("-o", "--output", required=True, help="output head file, e.g. mtp-MODEL.gguf")
+    ap.add_argument("--steps", type=_positive_int, default=400)
+    ap.add_argument("--seq-len", type=_positive_int, default=256)
+    ap.add_argument("--batch", type=_positive_int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--ffn", type=_nonneg_int, default=0, help="head FFN width (default: the trunk's)")
+    ap.add_argument("--draft-vocab", type=_nonneg_int, default=0,
+                    help="restrict drafts to the N most frequent tokens of the training text (0 = all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=_positive_int, default=50)
+    ap.add_argument("--max-tokens", type=_positive_int, default=2_000_000, help="training text cap, in tokens")
+    ap.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    ap.add_argument("--eval-prompts", default=None,
+                    help="held-out prompts (.jsonl with 'prompt', or text lines); default: HumanEval if installed")
+    ap.add_argument("--eval-n", type=_nonneg_int, default=10, help="held-out prompts to evaluate (0 = skip)")
+    ap.add_argument("--eval-tokens", type=_positive_int, default=128)
+    ap.add_argument("-t", "--threads", type=_positive_int, default=None)
+    a = ap.parse_args(argv)
+    from pathlib import Path
+
+    from .registry import sha256_cached
+    from .runtime.engine import Engine
+    from .train.mtp import (TrainConfig, Trainer, evaluate_head, humaneval_prompts, load_prompts, read_texts,
+                            token_windows)
+    cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
+                      draft_vocab=a.draft_vocab, seed=a.seed, checkpoint_every=a.checkpoint_every,
+                      max_tokens=a.max_tokens)
+    out = Path(a.output)
+    if out.parent and not out.parent.exists():
+        raise MtpllmError(f"-o {a.output}: directory {out.parent} does not exist")
+    prompts = load_prompts(a.eval_prompts) if a.eval_prompts else humaneval_prompts()
+    texts = read_texts(a.data, set(a.exclude))
+    eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + a.eval_tokens + 512), threads=a.threads)
+    if eng.model.cfg.n_nextn:
+        print(f"note: {a.model} already has {eng.model.cfg.n_nextn} MTP layer(s); training a separate head",
+              file=sys.stderr)
+    windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed)
+    n_tok = len(windows) * cfg.seq_len
+    print(f"training data: {len(texts)} files, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
+          f"{cfg.steps} steps x {cfg.batch} windows", file=sys.stderr)
+    desc = ", ".join(a.data) + f" ({n_tok} tokens)"
+    tr = Trainer(eng, windows, cfg, out, desc)
+    if not a.no_resume and tr.load_checkpoint():
+        print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)
+    t0 = time.time()
+    tr.train()
+    trunk_sha = sha256_cached(eng.model.source)
+    tr.write_gguf(trunk_sha)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) after {time.time() - t0:.0f} s", file=sys.stderr)
+    if prompts and a.eval_n:
+        held = prompts[: a.eval_n]
+        stats = evaluate_head(eng, str(out), held, k=3, max_tokens=a.eval_tokens)
+        print(f"held-out evaluation ({len(held)} prompts, k=3, greedy):\n{stats.summary()}", file=sys.stderr)
+        tr.write_gguf(trunk_sha, {"mtpllm.eval.mean_acceptance_length": stats.mean_acceptance_length,
+                                  "mtpllm.eval.per_position": json.dumps(stats.per_position_acceptance),
+                                  "mtpllm.eval.prompts": len(held)})
+    return 0
+
+
 COMMANDS = {
     "run": (cmd_run, "generate text from a prompt"),
     "chat": (cmd_chat, "interactive chat"),
+    "train-mtp": (cmd_train_mtp, "train (retrofit) an MTP head by self-distillation"),
 }
 
 

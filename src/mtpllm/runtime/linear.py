@@ -88,6 +88,15 @@ class Linear(torch.nn.Module):
                     x.to(torch.bfloat16), self.weight, INT4_GROUP, self.scales_zeros).float()
         return y + self.bias if self.bias is not None else y
 
+    def rows(self, ids: torch.Tensor) -> "Linear":
+        """A Linear computing only output rows `ids` (same storage format where it can be sliced)."""
+        bias = self.bias[ids] if self.bias is not None else None
+        if self.kind == "f32":
+            return Linear("f32", self.weight[ids].contiguous(), bias)
+        if self.kind == "int8":
+            return Linear("int8", self.weight[ids].contiguous(), bias, self.scales_zeros[ids].contiguous())
+        return int8_linear(self.dequantized()[ids], bias)  # packed int4 rows cannot be sliced
+
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 [N, K] (for the MTP trainer and tests)."""
         if self.kind == "f32":

@@ -63,6 +63,12 @@ def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = No
     head = MTPHead(_norm(g, p + "nextn.enorm.weight", eps), _norm(g, p + "nextn.hnorm.weight", eps),
                    make_linear(g, [p + "nextn.eh_proj.weight"], mode=mode), block,
                    _norm(g, p + "nextn.shared_head_norm.weight", eps), lm_head, embed)
+    vocab = g.get("mtpllm.draft_vocab")
+    if vocab:
+        ids = torch.tensor(vocab, dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= tcfg.vocab_size:
+            raise MtpllmError(f"{g.path}: mtpllm.draft_vocab has token ids outside the model's vocabulary")
+        head.draft_vocab = ids
     head.eval()
     return head
 
@@ -102,6 +108,9 @@ class MTPProposer:
         self.trunk = trunk
         self.embed = head.embed or trunk.embed
         self.lm_head = head.lm_head or trunk.lm_head
+        self.vocab = getattr(head, "draft_vocab", None)  # reduced draft vocabulary (token ids) or None
+        if self.vocab is not None and head.lm_head is None:
+            self.lm_head = trunk.lm_head.rows(self.vocab)  # only those rows: a cheaper draft matmul
         self.cache = head.make_cache(trunk.cfg, n_ctx, device)
         self.device = device
         self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
@@ -165,7 +174,11 @@ class MTPProposer:
         hist = list(history)
         g_last = g[-1:]
         for i in range(k):
-            d, q, top = draft_token(self.lm_head(g_last)[0], sampler, hist, p_min)
+            logits = self.lm_head(g_last)[0]
+            if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
+                logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"), device=logits.device).index_copy_(
+                    0, self.vocab, logits)
+            d, q, top = draft_token(logits, sampler, hist, p_min)
             if top < p_min:
                 break
             drafts.append(d)

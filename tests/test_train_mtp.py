@@ -1,0 +1,123 @@
+"""MTP head retrofitting on a tiny model: loss goes down, the written head round-trips into the
+MTP proposer, training resumes from its checkpoint, a head made for another trunk is refused."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mtpllm.errors import MtpllmError
+from mtpllm.gguf import GGUFFile
+from mtpllm.registry import sha256_cached
+from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.sampling import SamplingParams
+from mtpllm.speculative import SpecConfig
+from mtpllm.train.mtp import TrainConfig, Trainer, read_texts, token_windows
+from tiny import make_tiny
+
+TEXT = "def add(a, b):\n    return a + b\n\nthe cat sat on the mat. the dog ate the food.\n" * 60
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    model = make_tiny(tiny_dir / "trunk.gguf", "qwen2", seed=8, ctx=1024)
+    data = tiny_dir / "data.txt"
+    data.write_text(TEXT)
+    eng = Engine.load(str(model), n_ctx=512)
+    windows = token_windows(eng.tokenizer, read_texts([str(data)]), 48, 10_000, 0)
+    return eng, windows, tiny_dir
+
+
+def _trainer(setup, name, steps, **kw):
+    eng, windows, d = setup
+    return Trainer(eng, windows, TrainConfig(steps=steps, seq_len=48, batch=2, lr=3e-3, warmup=2,
+                                             checkpoint_every=5, **kw), d / name, "test text")
+
+
+def test_loss_decreases(setup):
+    tr = _trainer(setup, "mtp-a.gguf", 25)
+    tr.train(progress=None)
+    first, last = sum(tr.losses[:3]) / 3, sum(tr.losses[-3:]) / 3
+    assert last < 0.8 * first
+
+
+def test_roundtrip_gives_identical_drafts(setup):
+    eng = setup[0]
+    tr = _trainer(setup, "mtp-b.gguf", 5, ffn=256, draft_vocab=100)
+    tr.train(progress=None)
+    path = tr.write_gguf(sha256_cached(eng.model.source))
+    g = GGUFFile(path)
+    assert g.get("qwen2.nextn_predict_layers") == 1 and g.get("mtpllm.trunk_sha256")
+    assert "blk.2.nextn.eh_proj.weight" in g and g.info("blk.2.ffn_gate.weight").shape == (256, 256)
+    assert len(g.get("mtpllm.draft_vocab")) == 100
+    # drafts from the written (Q8_0) file equal those of the in-memory head up to quantization:
+    # compare the head's first draft on the training text in both
+    ids = setup[1][0]
+    spec = SpecConfig("mtp", 3, mtp_head=str(path)).build(eng)
+    out = eng.generate(prompt_ids=ids[:20], params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                       speculative=spec)
+    again = eng.generate(prompt_ids=ids[:20], params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                         speculative=SpecConfig("mtp", 3, mtp_head=str(path)).build(eng))
+    assert out.stats.to_dict()["num_accepted_tokens"] == again.stats.to_dict()["num_accepted_tokens"]
+    vocab = set(g.get("mtpllm.draft_vocab"))
+    drafts = []
+    p = spec.proposer
+    p.begin(eng, ids[:20], eng.model(torch.tensor(ids[:20]), eng.model.make_cache(64)), 0)
+    d, _ = p.propose(list(ids[:21]), 3, spec_sampler(), 0.0)
+    drafts += d
+    assert set(drafts) <= vocab  # drafts never leave the draft vocabulary
+    with torch.no_grad():  # the in-memory head's first draft equals the file's
+        emb = eng.model.embed(torch.tensor(ids[1:21]))[None]
+        hid = eng.model(torch.tensor(ids[:20]), eng.model.make_cache(64))[None]
+        logits = tr.head(emb, hid)[0, -1] @ tr.head_w.t()
+        assert int(tr.vocab[logits.argmax()]) == drafts[0]
+
+
+def spec_sampler():
+    from mtpllm.runtime.sampling import Sampler
+    return Sampler(SamplingParams(temperature=0))
+
+
+def test_resume_continues_from_checkpoint(setup):
+    a = _trainer(setup, "mtp-c.gguf", 10)
+    a.train(progress=None)
+    full = list(a.losses)
+    a.ckpt_path.unlink()
+    b = _trainer(setup, "mtp-c.gguf", 10)
+    b.train(progress=None, until=5)  # "interrupted" after 5 steps (checkpoint written at step 5)
+    c = _trainer(setup, "mtp-c.gguf", 10)
+    assert c.load_checkpoint() and c.step == 5
+    c.train(progress=None)
+    assert c.step == 10
+    torch.testing.assert_close(torch.tensor(c.losses), torch.tensor(full), rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_with_other_settings_is_refused(setup):
+    a = _trainer(setup, "mtp-d.gguf", 5)
+    a.train(progress=None)
+    b = _trainer(setup, "mtp-d.gguf", 5, ffn=128)
+    with pytest.raises(MtpllmError, match="other settings"):
+        b.load_checkpoint()
+
+
+def test_head_for_another_trunk_is_refused(setup, tiny_dir):
+    tr = _trainer(setup, "mtp-e.gguf", 2)
+    tr.train(progress=None)
+    path = tr.write_gguf("f" * 64)  # recorded for a different file
+    with pytest.raises(MtpllmError, match="trained for a model with sha256"):
+        SpecConfig("mtp", mtp_head=str(path)).build(setup[0])
+
+
+def test_cli_train_mtp(setup, tiny_dir):
+    eng, _, d = setup
+    out = d / "mtp-cli.gguf"
+    r = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
+                        str(d / "data.txt"), "-o", str(out), "--steps", "4", "--seq-len", "48",
+                        "--eval-prompts", str(d / "data.txt"), "--eval-n", "1", "--eval-tokens", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "step 4/4" in r.stderr and "held-out evaluation" in r.stderr and out.exists()
+    assert GGUFFile(out).get("mtpllm.eval.prompts") == 1
+    bad = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
+                          str(d / "missing"), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "no such file or directory" in bad.stderr and "Traceback" not in bad.stderr
