@@ -246,7 +246,9 @@ def cmd_train_mtp(argv: list[str]) -> int:
         raise MtpllmError(f"-o {a.output}: directory {out.parent} does not exist")
     prompts = load_prompts(a.eval_prompts) if a.eval_prompts else humaneval_prompts()
     texts = read_texts(a.data, set(a.exclude))
-    eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + a.eval_tokens + 512), threads=a.threads)
+    # the frozen trunk runs in float32: its exact distribution is the target, and prompt-sized
+    # batches need no per-call dequantization
+    eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + a.eval_tokens + 512), threads=a.threads, mode="f32")
     if eng.model.cfg.n_nextn:
         print(f"note: {a.model} already has {eng.model.cfg.n_nextn} MTP layer(s); training a separate head",
               file=sys.stderr)

@@ -244,15 +244,20 @@ class Trainer:
             ids = torch.tensor(self.windows[i])
             with torch.inference_mode():
                 h = trunk(ids, trunk.make_cache(len(ids)))  # [S, D] final-normed
-                logits = trunk.logits(h[1:])  # teacher: trunk's distribution for token i+2, [S-1, V]
-                if self.vocab is not None:
-                    logits = logits[:, self.vocab]
+                # teacher: the trunk's distribution for token i+2 (its logits at position i+1),
+                # over the draft vocabulary (renormalized there): the same rows the head is scored on
+                logits = h[1:] @ self.head_w.t()  # [S-1, V']
+                if trunk.cfg.final_softcap:
+                    logits = torch.tanh(logits / trunk.cfg.final_softcap) * trunk.cfg.final_softcap
                 targets.append(torch.log_softmax(logits.float(), -1))
                 embs.append(trunk.embed(ids[1:]))
                 hids.append(h[:-1])
         emb, hid, tgt = (torch.stack(x).clone() for x in (embs, hids, targets))
         out = self.head(emb, hid)  # [B, S-1, D]
-        logp = torch.log_softmax(out @ self.head_w.t(), -1)
+        logits = out @ self.head_w.t()
+        if trunk.cfg.final_softcap:
+            logits = torch.tanh(logits / trunk.cfg.final_softcap) * trunk.cfg.final_softcap
+        logp = torch.log_softmax(logits, -1)
         # KL(teacher || head), mean over positions
         return (tgt.exp() * (tgt - logp)).sum(-1).mean()
 
