@@ -267,6 +267,10 @@ def cmd_train_mtp(argv: list[str]) -> int:
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) after {time.time() - t0:.0f} s", file=sys.stderr)
     if prompts and a.eval_n:
         held = prompts[: a.eval_n]
+        # evaluate on the compressed path users decode with (the float32 path verifies row by row)
+        n_ctx, source = eng.n_ctx, str(eng.model.source)
+        del eng, tr.head_w
+        eng = Engine.load(source, n_ctx=n_ctx, threads=a.threads)
         stats = evaluate_head(eng, str(out), held, k=3, max_tokens=a.eval_tokens)
         print(f"held-out evaluation ({len(held)} prompts, k=3, greedy):\n{stats.summary()}", file=sys.stderr)
         tr.write_gguf(trunk_sha, {"mtpllm.eval.mean_acceptance_length": stats.mean_acceptance_length,
