@@ -121,3 +121,37 @@ def test_cli_train_mtp(setup, tiny_dir):
     bad = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
                           str(d / "missing"), "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such file or directory" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_hidden_state_cache_is_exact_reused_and_rebuilt(setup):
+    """The trunk states are computed once per window (float16 on disk), reused by a second run,
+    and rebuilt when the windows change."""
+    import numpy as np
+    eng, windows, d = setup
+    tr = _trainer(setup, "mtp-cache.gguf", 2)
+    tr.hidden.fill(progress=None)
+    assert tr.hidden.done.all()
+    ids = torch.tensor(windows[1])
+    ref = eng.model(ids, eng.model.make_cache(len(ids)))
+    got = tr.hidden.get(1)
+    assert torch.allclose(got, ref.float(), rtol=2e-3, atol=2e-3)  # float16 storage: ~3 significant digits
+    tr.hidden.h[1] = 0  # a reused cache is read, not recomputed
+    tr.hidden.h.flush()
+    again = _trainer(setup, "mtp-cache.gguf", 2)
+    assert again.hidden.done.all() and float(again.hidden.get(1).abs().max()) == 0
+    other = Trainer(eng, windows[1:], tr.cfg, d / "mtp-cache.gguf", "other")  # other data: rebuilt
+    assert not other.hidden.done.any()
+    other.hidden.fill(progress=None)
+    assert np.allclose(np.asarray(other.hidden.h[0], dtype=np.float32), ref.float().numpy(), rtol=2e-3, atol=2e-3)
+
+
+def test_one_large_document_cannot_crowd_out_the_rest(setup, tiny_dir):
+    eng = setup[0]
+    big = tiny_dir / "big.txt"
+    big.write_text("the cat sat on the mat. " * 4000)
+    small = tiny_dir / "small.py"
+    small.write_text("def add(a, b):\n    return a + b\n" * 20)
+    w = token_windows(eng.tokenizer, read_texts([str(big), str(small)]), 32, 3200, 0)
+    code = eng.tokenizer.encode("def", add_special=False)[0]
+    n_code = sum(code in x for x in w)
+    assert 1 <= n_code and len(w) - n_code <= 3200 // 50 // 32 + 1

@@ -130,9 +130,13 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
                         obj = json.loads(line)
                     except json.JSONDecodeError:
                         continue
-                    vals = [obj] if isinstance(obj, str) else [v for v in obj.values() if isinstance(v, str)] \
-                        if isinstance(obj, dict) else []
-                    parts.append("".join(vals))
+                    if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+                        vals = [obj["text"]]  # a record with a text field: the rest is metadata (book, id)
+                    elif isinstance(obj, dict):
+                        vals = [v for v in obj.values() if isinstance(v, str)]
+                    else:
+                        vals = [obj] if isinstance(obj, str) else []
+                    parts.append(" ".join(vals))
                 text = "\n".join(parts)
             if text.strip():
                 out.append((str(f), text))
@@ -142,14 +146,22 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
 
 
 def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tokens: int, seed: int) -> list[list[int]]:
-    """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all)."""
+    """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all).
+
+    One document gives at most 2% of the budget (and at least one window), so a single large file
+    (a whole Bible, a corpus dump) cannot crowd out the rest; each document's windows start at a
+    random window-aligned offset so long files are sampled throughout, not only from their beginning."""
     rng = random.Random(seed)
     docs = list(texts)
     rng.shuffle(docs)
+    per_doc = max(seq_len, max_tokens // 50)
     windows, total = [], 0
     for _, text in docs:
         ids = tokenizer.encode(text, add_special=False)
-        for s in range(0, len(ids) - seq_len + 1, seq_len):
+        n_win = (len(ids) - seq_len) // seq_len + 1 if len(ids) >= seq_len else 0
+        take = min(n_win, max(1, per_doc // seq_len))
+        first = rng.randrange(n_win - take + 1) if n_win else 0
+        for s in range(first * seq_len, (first + take) * seq_len, seq_len):
             windows.append(ids[s:s + seq_len])
             total += seq_len
             if total >= max_tokens:
@@ -183,6 +195,69 @@ class TrainConfig:
             raise MtpllmError("train-mtp: ffn and draft-vocab must be >= 0")
 
 
+class HiddenCache:
+    """The frozen trunk's final-normed hidden states for every training window, computed once.
+
+    Training runs many epochs over the same windows and the trunk forward is by far the most
+    expensive part of a step, so the states live in a float16 memory-mapped file next to the
+    output ([windows, seq_len, d_model], ~1.8 KB per token for a 896-wide model) with a bitmap of
+    finished windows: an interrupted run resumes filling it. The teacher's distribution is recomputed
+    from the stored state through the frozen lm_head (cheap next to the trunk), so nothing else is
+    stored. A key (trunk file, size, windows digest) guards against reusing a cache made for other data.
+    """
+
+    def __init__(self, path: Path, trunk: Transformer, windows: list[list[int]]):
+        import hashlib
+        self.trunk, self.windows = trunk, windows
+        n, s, d = len(windows), len(windows[0]), trunk.cfg.d_model
+        digest = hashlib.sha256(np.asarray(windows, dtype=np.int64).tobytes()).hexdigest()
+        src = Path(trunk.source)
+        key = {"trunk": str(src.resolve()), "size": src.stat().st_size, "windows": digest, "shape": [n, s, d]}
+        self.path, self.meta_path, self.done_path = path, path.with_suffix(".json"), path.with_suffix(".done")
+        fresh = True
+        if self.meta_path.exists() and self.path.exists() and self.done_path.exists():
+            try:
+                fresh = json.loads(self.meta_path.read_text()) != key
+            except (OSError, json.JSONDecodeError):
+                fresh = True
+        mode = "w+" if fresh else "r+"
+        self.h = np.lib.format.open_memmap(self.path, mode=mode, dtype=np.float16, shape=(n, s, d))
+        self.done = np.lib.format.open_memmap(self.done_path, mode=mode, dtype=np.bool_, shape=(n,))
+        if fresh:
+            self.done[:] = False
+            self.done.flush()
+            self.meta_path.write_text(json.dumps(key))
+
+    def _compute(self, i: int) -> None:
+        ids = torch.tensor(self.windows[i])
+        with torch.inference_mode():
+            h = self.trunk(ids, self.trunk.make_cache(len(ids)))  # [S, D] final-normed
+        self.h[i] = h.float().numpy().astype(np.float16)
+        self.done[i] = True
+
+    def fill(self, progress=sys.stderr) -> None:
+        """Compute every missing window (resumable; progress with ETA)."""
+        todo = np.flatnonzero(~self.done)
+        t0 = time.time()
+        for j, i in enumerate(todo):
+            self._compute(int(i))
+            if j % 16 == 15 or j == len(todo) - 1:
+                self.h.flush()
+                self.done.flush()
+                if progress is not None:
+                    eta = (time.time() - t0) / (j + 1) * (len(todo) - j - 1)
+                    progress.write(f"\rtrunk hidden states: {len(self.done) - len(todo) + j + 1}/{len(self.done)} "
+                                   f"windows, eta {int(eta) // 60}:{int(eta) % 60:02d}   ")
+                    progress.flush()
+        if progress is not None and len(todo):
+            progress.write("\n")
+
+    def get(self, i: int) -> torch.Tensor:
+        if not self.done[i]:
+            self._compute(i)
+        return torch.from_numpy(np.asarray(self.h[i], dtype=np.float32))
+
+
 class Trainer:
     def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str):
         if not windows:
@@ -204,6 +279,7 @@ class Trainer:
         self.head_w = (W[self.vocab] if self.vocab is not None else W).contiguous()  # frozen, shared
         self.opt = torch.optim.AdamW([p for p in self.head.parameters()], lr=cfg.lr, weight_decay=0.0,
                                      betas=(0.9, 0.98))
+        self.hidden = HiddenCache(out.with_suffix(out.suffix + ".hidden.npy"), trunk, windows)
         self.step = 0
         self.losses: list[float] = []
         self.order = list(range(len(windows)))
@@ -243,7 +319,7 @@ class Trainer:
         for i in idx:
             ids = torch.tensor(self.windows[i])
             with torch.inference_mode():
-                h = trunk(ids, trunk.make_cache(len(ids)))  # [S, D] final-normed
+                h = self.hidden.get(i)  # [S, D] final-normed trunk states (cached)
                 # teacher: the trunk's distribution for token i+2 (its logits at position i+1),
                 # over the draft vocabulary (renormalized there): the same rows the head is scored on
                 logits = h[1:] @ self.head_w.t()  # [S-1, V']
@@ -271,6 +347,7 @@ class Trainer:
     def train(self, progress=sys.stderr, until: int | None = None) -> None:
         """Train up to cfg.steps (or stop after step `until`, as an interruption would)."""
         c = self.cfg
+        self.hidden.fill(progress)
         t0 = time.time()
         start = self.step
         stop = c.steps if until is None else min(until, c.steps)
