@@ -279,9 +279,27 @@ def cmd_train_mtp(argv: list[str]) -> int:
     return 0
 
 
+def cmd_inspect(argv: list[str]) -> int:
+    from .tools.inspect import main as inspect_main
+    return inspect_main(argv)
+
+
+def cmd_doctor(argv: list[str]) -> int:
+    from .tools.doctor import main as doctor_main
+    return doctor_main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from .bench.runner import main as bench_main
+    return bench_main(argv)
+
+
 COMMANDS = {
     "run": (cmd_run, "generate text from a prompt"),
     "chat": (cmd_chat, "interactive chat"),
+    "bench": (cmd_bench, "benchmark prefill, decode, end-to-end and speculative decoding"),
+    "inspect": (cmd_inspect, "show a GGUF file's metadata, tensors, tokenizer, RoPE and MTP layers"),
+    "doctor": (cmd_doctor, "check a GGUF file: integrity, SHA-256, MTP, RoPE/YaRN, memory; recommend flags"),
     "train-mtp": (cmd_train_mtp, "train (retrofit) an MTP head by self-distillation"),
 }
 

@@ -1,0 +1,1 @@
+"""Tools over GGUF files: inspect, doctor."""
