@@ -20,7 +20,9 @@ class SpecConfig:
     min_speculative_tokens: int = 1
     p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
     draft_model: str | None = None
-    mtp_head: str | None = None  # head-only `mtp-*.gguf` file (default: layers in the model file, or shipped)
+    # head-only `mtp-*.gguf` file, or Hugging Face safetensors (a .safetensors file or a model directory);
+    # default: MTP layers in the model file, or a shipped head
+    mtp_head: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = False
@@ -100,7 +102,9 @@ def add_spec_args(ap: argparse.ArgumentParser) -> None:
                    help="stop drafting when the draft's top probability is below this (default 0)")
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
                    help="draft model for draft-simple (registry name or GGUF path)")
-    g.add_argument("--spec-mtp-head", default=None, help="head-only mtp-*.gguf file for draft-mtp")
+    g.add_argument("--spec-mtp-head", default=None,
+                   help="MTP head for draft-mtp: a head-only mtp-*.gguf file, a .safetensors file or a Hugging Face "
+                        "model directory (Qwen3-Next/3.5 mtp.* or DeepSeek/GLM model.layers.L.* names)")
     g.add_argument("--spec-adaptive", action="store_true", help="grow/shrink the draft length from acceptance")
     g.add_argument("--spec-ngram-min", type=int, default=None, help="n-gram lookup: shortest match (default 1)")
     g.add_argument("--spec-ngram-max", type=int, default=None, help="n-gram lookup: longest match (default 4)")

@@ -1,4 +1,5 @@
-"""MTP proposer and MTP weight loading (GGUF in-file next-n layers or a head-only `mtp-*.gguf`).
+"""MTP proposer and MTP weight loading (GGUF in-file next-n layers, a head-only `mtp-*.gguf`, or
+Hugging Face safetensors through `hf_mtp.HFMTPFile`, which presents them under the GGUF names).
 
 GGUF layout (llama.cpp): `<arch>.nextn_predict_layers = n`, `<arch>.block_count` includes the n
 MTP blocks; block L = block_count - n + j holds ordinary `blk.L.attn_*`/`ffn_*` tensors plus
@@ -6,6 +7,7 @@ MTP blocks; block L = block_count - n + j holds ordinary `blk.L.attn_*`/`ffn_*` 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,12 +17,24 @@ from ..gguf.reader import GGUFFile
 from ..models.base import Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
+from .hf_mtp import HFMTPFile, is_safetensors_source
 from .verifier import draft_token
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
 
-def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = None) -> MTPHead:
+def open_head_file(path: str | Path, trunk_cfg) -> "GGUFFile | HFMTPFile":
+    """A head source given by the user: a GGUF file, or Hugging Face safetensors (file, index or directory)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise MtpllmError(f"{p}: no such MTP head file or directory (expected a GGUF head, a .safetensors "
+                          f"file or a Hugging Face model directory)")
+    if is_safetensors_source(p):
+        return HFMTPFile(p, trunk_cfg)
+    return GGUFFile(p)
+
+
+def load_mtp_head(g: "GGUFFile | HFMTPFile", trunk, mode: str = "fast", layer: int | None = None) -> MTPHead:
     """Build the first MTP block found in `g` (the trunk file itself or a head-only file) for `trunk`."""
     tcfg = trunk.cfg
     arch = g.get("general.architecture")
@@ -42,16 +56,13 @@ def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = No
         raise MtpllmError(f"{g.path}: MTP block {L} has no tensor '{p}nextn.eh_proj.weight'")
     eh = g.info(p + "nextn.eh_proj.weight")
     if eh.shape != (tcfg.d_model, 2 * tcfg.d_model):
-        raise MtpllmError(f"{g.path}: nextn.eh_proj has shape {list(eh.shape)}, expected "
+        raise MtpllmError(f"{g.path}: {_shown(g, p + 'nextn.eh_proj.weight')} has shape {list(eh.shape)}, expected "
                           f"[{tcfg.d_model}, {2 * tcfg.d_model}] for this model")
-    qshape = g.info(p + "attn_q.weight").shape
-    if qshape != (tcfg.n_heads * tcfg.head_dim, tcfg.d_model):
-        raise MtpllmError(f"{g.path}: MTP block attention shape {list(qshape)} does not fit the model")
+    _check_block_shapes(g, tcfg, p)
     full_rot, _ = make_rotaries(trunk.gguf, tcfg)
-    cfg = tcfg
-    if (p + "attn_q.bias" in g) != cfg.qkv_bias:
-        from dataclasses import replace
-        cfg = replace(cfg, qkv_bias=p + "attn_q.bias" in g)
+    # the head's block may differ from the trunk's in optional parts: its own tensors decide
+    cfg = replace(tcfg, qkv_bias=p + "attn_q.bias" in g, qk_norm=p + "attn_q_norm.weight" in g,
+                  sandwich_norm=p + "post_ffw_norm.weight" in g)
     block = build_block(g, cfg, L, full_rot, mode)
     eps = tcfg.norm_eps
     lm_head = make_linear(g, [p + "nextn.shared_head_head.weight"], mode=mode) \
@@ -71,6 +82,35 @@ def load_mtp_head(g: GGUFFile, trunk, mode: str = "fast", layer: int | None = No
         head.draft_vocab = ids
     head.eval()
     return head
+
+
+def _shown(g, name: str) -> str:
+    """A tensor's name as the file spells it (Hugging Face files use their own names)."""
+    return g.source_name(name) if hasattr(g, "source_name") else name
+
+
+def _check_block_shapes(g, tcfg, p: str) -> None:
+    """The MTP block's tensors must fit the trunk's attention layout and one consistent FFN width."""
+    D, H, KV, hd = tcfg.d_model, tcfg.n_heads, tcfg.n_kv_heads, tcfg.head_dim
+    qshape = g.info(p + "attn_q.weight").shape
+    if qshape == (2 * H * hd, D):
+        raise MtpllmError(f"{g.path}: the MTP block's q projection has {qshape[0]} rows = 2 x {H} heads x {hd}: "
+                          f"an attention output gate (Qwen3-Next / Qwen3.5 style), which is not supported")
+    ffn = g.info(p + "ffn_gate.weight").shape[0]
+    want = {"attn_q.weight": (H * hd, D), "attn_k.weight": (KV * hd, D), "attn_v.weight": (KV * hd, D),
+            "attn_output.weight": (D, H * hd), "ffn_gate.weight": (ffn, D), "ffn_up.weight": (ffn, D),
+            "ffn_down.weight": (D, ffn), "attn_norm.weight": (D,), "ffn_norm.weight": (D,), "nextn.enorm.weight": (D,),
+            "nextn.hnorm.weight": (D,), "nextn.shared_head_norm.weight": (D,)}
+    optional = {"attn_q.bias": (H * hd,), "attn_k.bias": (KV * hd,), "attn_v.bias": (KV * hd,),
+                "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+                "post_attention_norm.weight": (D,), "post_ffw_norm.weight": (D,),
+                "nextn.shared_head_head.weight": (tcfg.vocab_size, D),
+                "nextn.embed_tokens.weight": (tcfg.vocab_size, D)}
+    for name, shape in list(want.items()) + [(n, s) for n, s in optional.items() if p + n in g]:
+        have = tuple(g.info(p + name).shape)
+        if have != shape:
+            raise MtpllmError(f"{g.path}: MTP tensor '{_shown(g, p + name)}' has shape {list(have)}, "
+                              f"expected {list(shape)} for this model (hidden {D}, {H} heads, {KV} kv heads, head dim {hd})")
 
 
 def check_head_trunk(g: GGUFFile, trunk_path: Path) -> None:
@@ -123,8 +163,7 @@ class MTPProposer:
         mode = "f32" if trunk.lm_head.kind == "f32" else "fast"
         src = trunk.source
         if head_path:
-            hp = Path(head_path).expanduser()
-            g = GGUFFile(hp)
+            g = open_head_file(head_path, trunk.cfg)
             check_head_trunk(g, src)
         elif trunk.cfg.n_nextn > 0:
             g = trunk.gguf
