@@ -108,6 +108,11 @@ class Engine:
             model.to(device)
         return cls(model, tok, n_ctx, (time.perf_counter() - t0) * 1e3, device)
 
+    def reset(self) -> None:
+        """Forget the cached prompt prefix: the next request evaluates its whole prompt."""
+        self.cache.reset()
+        self._cached_tokens = []
+
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
                       chat: bool | None = None) -> list[int]:

@@ -41,6 +41,11 @@ class DraftModelProposer:
     def reusable_prefix(self, prompt: list[int]) -> int:
         return len(prompt)  # keeps its own cache consistent in `_sync`
 
+    def reset(self) -> None:
+        """Forget the draft model's cached prefix (a benchmark repeat must not reuse it)."""
+        self.cache.reset()
+        self.committed = []
+
     def _sync(self, tokens: list[int]) -> torch.Tensor | None:
         """Make the draft cache hold exactly `tokens`; return the hidden state of the last one."""
         common = 0

@@ -190,11 +190,21 @@ class MTPProposer:
             common += 1
         return min(common, self.cache.length)
 
+    @torch.inference_mode()
     def begin(self, engine, prompt, prompt_hidden: torch.Tensor, start: int) -> None:
+        """The prompt's hidden states (positions start .. len(prompt)-1) go through the head now, as
+        part of prompt processing: then a later request that shares this prefix finds it in the head's
+        cache too, even when this one ends before any drafting. The last position waits for the first
+        generated token (its entry needs t_{i+1})."""
         self.cache.trim(self.cache.length - start)
-        self.tokens = list(prompt[1:start + 1])
-        self.pending_h = prompt_hidden  # positions start .. len(prompt)-1
-        self.pending_start = start
+        n = len(prompt) - 1 - start  # positions whose next token is already known
+        if n > 0:
+            toks = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long, device=self.device)
+            self.head(self.embed(toks), prompt_hidden[:n], self.cache)
+        n = max(n, 0)
+        self.tokens = list(prompt[1:start + 1 + n])
+        self.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
+        self.pending_start = start + n
 
     @torch.inference_mode()
     def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0):

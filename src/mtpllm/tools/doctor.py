@@ -141,8 +141,7 @@ def _tokenizer(g, r: Report) -> None:
 
 def _mtp(g, cfg, path: Path, head: str | None, r: Report) -> str | None:
     """Which MTP weights would be used, and whether they fit. Returns the flag to use them."""
-    from ..gguf.reader import GGUFFile
-    from ..speculative.mtp import check_head_trunk, find_head_for, load_mtp_head
+    from ..speculative.mtp import check_head_trunk, find_head_for, load_mtp_head, open_head_file
     trunk = SimpleNamespace(cfg=cfg, gguf=g)  # the head checks need the trunk's shape only
     cands = []
     if head:
@@ -159,7 +158,7 @@ def _mtp(g, cfg, path: Path, head: str | None, r: Report) -> str | None:
         return None
     kind, hp = cands[0]
     try:
-        hg = g if hp == path else GGUFFile(hp)
+        hg = g if hp == path else open_head_file(str(hp), cfg)  # GGUF or Hugging Face safetensors
         load_mtp_head(hg, trunk, mode="f32")
         if hp != path:
             check_head_trunk(hg, path)

@@ -1,0 +1,1 @@
+"""`mtpllm bench`: workloads, runner, reports."""

@@ -1,0 +1,300 @@
+"""`mtpllm bench`: a llama-bench-like test matrix that also measures speculative decoding.
+
+Rows = models x threads x prompt sets x prompt sizes x generation lengths x depths x spec methods.
+Each row: one warm-up repetition (excluded), then -r repetitions; each repetition clears the KV
+cache (and the proposer's), fills `depth` tokens of real text untimed (llama-bench -d), then runs
+its requests through the engine's normal stream. Reported per row: prefill, decode and end-to-end
+tok/s (mean ± sd), acceptance rate, mean acceptance length, per-position acceptance, draft cost,
+peak RSS and load time; the report records the full test conditions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import MtpllmError
+from .report import conditions, plot, to_csv, to_json, to_markdown
+from .workloads import PROMPT_SETS, build_requests, depth_ids
+
+
+# ---------------------------------------------------------------------------- argument parsing
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{s}'") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got '{s}'")
+    return vals
+
+
+def parse_spec(s: str) -> tuple[str, str, int, str | None]:
+    """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]' -> (label, method, k, draft model)."""
+    s = s.strip()
+    if s in ("none", "off", ""):
+        return "none", "none", 0, None
+    parts = s.split(":")
+    kind = parts[0]
+
+    def k_of(x: str) -> int:
+        try:
+            k = int(x)
+        except ValueError:
+            raise MtpllmError(f"--spec {s}: draft length '{x}' is not an integer") from None
+        if not 1 <= k <= 16:
+            raise MtpllmError(f"--spec {s}: draft length must be 1..16, got {k}")
+        return k
+    if kind in ("mtp", "ngram"):
+        if len(parts) > 2:
+            raise MtpllmError(f"--spec {s}: expected {kind}[:k]")
+        k = k_of(parts[1]) if len(parts) == 2 else 3
+        return f"{kind}:{k}", ("mtp" if kind == "mtp" else "ngram"), k, None
+    if kind == "draft":
+        if len(parts) < 2 or not parts[1]:
+            raise MtpllmError(f"--spec {s}: expected draft:MODEL[:k]")
+        if len(parts) >= 3 and parts[-1].isdigit():
+            model, k = ":".join(parts[1:-1]), k_of(parts[-1])
+        else:
+            model, k = ":".join(parts[1:]), 3
+        return f"draft:{os.path.basename(model)}:{k}", "draft_model", k, model
+    raise MtpllmError(f"--spec {s}: unknown method '{kind}' (none, mtp[:k], ngram[:k], draft:MODEL[:k])")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..registry import DEFAULT_MODEL
+    ap = argparse.ArgumentParser(prog="mtpllm bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="models, comma-separated (registry names or GGUF paths)")
+    ap.add_argument("-p", "--n-prompt", type=_int_list, default=[512],
+                    help="prompt tokens (synthetic and long prompt sets), comma-separated (default 512)")
+    ap.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default 128)")
+    ap.add_argument("-d", "--depth", type=_int_list, default=[0], help="tokens already in context (default 0)")
+    ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row (default 5)")
+    ap.add_argument("-t", "--threads", type=_int_list, default=None, help="threads, comma-separated")
+    ap.add_argument("--spec", default="none",
+                    help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k]")
+    ap.add_argument("--prompts", default="synthetic",
+                    help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
+    ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
+    ap.add_argument("--mtp-head", default=None, help="head-only mtp-*.gguf for the mtp rows")
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: what the rows need)")
+    ap.add_argument("--dequantize", action="store_true", help="float32 weights (reference path)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up repetitions per row, excluded (default 1)")
+    ap.add_argument("-o", "--output", choices=["md", "csv", "json"], default="md")
+    ap.add_argument("--save", default=None, help="also write the JSON report to this file")
+    ap.add_argument("--plot", default=None, help="draw tok/s vs k and vs depth to this PNG (needs matplotlib)")
+    ap.add_argument("--vs-llama-cpp", default=None, metavar="DIR",
+                    help="directory with llama.cpp binaries: run llama-bench on the same files and show its rows")
+    return ap
+
+
+# ---------------------------------------------------------------------------- measurement
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (peak RSS) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _stat(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs) if xs else 0.0, "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+
+
+def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_gen: int, depth: int,
+            reps: int, warmup: int, n_prompts: int, temp: float, seed: int) -> dict:
+    from ..runtime.sampling import SamplingParams
+    from ..speculative.verifier import SpecStats
+    pre, dec, e2e = [], [], []
+    total = SpecStats()
+    p_tok = g_tok = 0
+    _reset_peak_rss()
+    for rep in range(-warmup, reps):
+        P_n = P_ms = G_n = G_ms = 0.0
+        reqs = build_requests(engine, prompt_set, n_prompt, n_prompts, seed + rep)
+        dep = depth_ids(engine, depth, seed + rep)
+        for req in reqs:
+            engine.reset()
+            if spec is not None and hasattr(spec.proposer, "reset"):
+                spec.proposer.reset()
+            params = SamplingParams(temperature=temp, top_k=0, top_p=1.0, min_p=0.0, max_tokens=n_gen,
+                                    seed=seed + rep, ignore_eos=prompt_set == "synthetic")
+            if dep:  # the context the measured prompt is appended to, evaluated untimed; one generated
+                # token makes every proposer (an MTP head consumes prompt states lazily) cache the prefix too
+                engine.generate(prompt_ids=dep, params=SamplingParams(temperature=0, max_tokens=1), speculative=spec)
+            out = engine.generate(prompt_ids=dep + req.ids, params=params, speculative=spec)
+            t = out.timings
+            P_n += t.prompt_n
+            P_ms += t.prompt_ms
+            G_n += t.predicted_n
+            G_ms += t.predicted_ms
+            if rep >= 0 and out.stats is not None:
+                s = out.stats
+                total.num_drafts += s.num_drafts
+                total.num_draft_tokens += s.num_draft_tokens
+                total.num_accepted_tokens += s.num_accepted_tokens
+                total.draft_ms += s.draft_ms
+                total.verify_ms += s.verify_ms
+                for i, (d, a) in enumerate(zip(s.drafted_per_pos, s.accepted_per_pos)):
+                    while len(total.drafted_per_pos) <= i:
+                        total.drafted_per_pos.append(0)
+                        total.accepted_per_pos.append(0)
+                    total.drafted_per_pos[i] += d
+                    total.accepted_per_pos[i] += a
+        if rep < 0:
+            continue  # warm-up
+        p_tok += P_n
+        g_tok += G_n
+        pre.append(P_n / (P_ms / 1e3) if P_ms else 0.0)
+        dec.append(G_n / (G_ms / 1e3) if G_ms else 0.0)
+        e2e.append(G_n / ((P_ms + G_ms) / 1e3) if P_ms + G_ms else 0.0)
+    spec_on = spec is not None
+    return {
+        "threads": 0, "prompt_set": prompt_set, "n_prompt": n_prompt if prompt_set in ("synthetic", "long") else 0,
+        "n_gen": n_gen, "depth": depth, "spec": label, "k": k, "repeats": reps,
+        "prompt_tokens": p_tok / reps, "gen_tokens": g_tok / reps,
+        "prefill_tps": _stat(pre), "decode_tps": _stat(dec), "e2e_tps": _stat(e2e),
+        "acceptance_rate": total.acceptance_rate if spec_on else None,
+        "mean_acceptance_length": total.mean_acceptance_length if spec_on else None,
+        "per_position_acceptance": total.per_position_acceptance if spec_on else [],
+        "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+# ---------------------------------------------------------------------------- llama.cpp side by side
+def parse_llama_bench_json(text: str) -> list[dict]:
+    """Rows of `llama-bench -o json` (a list of objects with n_prompt, n_gen, avg_ts, stddev_ts)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MtpllmError(f"llama-bench printed something that is not JSON ({exc})") from None
+    rows = []
+    for r in data if isinstance(data, list) else []:
+        pp, tg = int(r.get("n_prompt", 0)), int(r.get("n_gen", 0))
+        ts = f"{r.get('avg_ts', 0):.2f} ± {r.get('stddev_ts', 0):.2f}"
+        rows.append({"model": os.path.basename(str(r.get("model_filename", "?"))),
+                     "threads": int(r.get("n_threads", 0)), "test": f"pp{pp}" if pp else f"tg{tg}",
+                     "prefill_tps": ts if pp else "-", "decode_tps": ts if tg else "-"})
+    return rows
+
+
+def run_llama_bench(bin_dir: str, path: str, a, threads: int) -> list[dict]:
+    d = Path(bin_dir)
+    exe = next((p for p in (d / "llama-bench", d / "bin" / "llama-bench") if p.is_file()), None)
+    if exe is None:
+        raise MtpllmError(f"--vs-llama-cpp {bin_dir}: no llama-bench binary there (looked for llama-bench and "
+                          f"bin/llama-bench)")
+    cmd = [str(exe), "-m", path, "-p", ",".join(map(str, a.n_prompt)), "-n", ",".join(map(str, a.n_gen)),
+           "-r", str(a.repetitions), "-t", str(threads), "-o", "json"]
+    if a.depth != [0]:
+        cmd += ["-d", ",".join(map(str, a.depth))]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MtpllmError(f"could not run {exe}: {exc}") from None
+    if p.returncode != 0:
+        raise MtpllmError(f"{exe} failed (exit {p.returncode}): {p.stderr.strip()[-500:]}")
+    return parse_llama_bench_json(p.stdout)
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    if a.repetitions < 1 or a.warmup < 0 or a.n_prompts < 1:
+        raise MtpllmError("-r and --n-prompts must be >= 1 and --warmup >= 0")
+    if not a.n_gen or min(a.n_gen) < 1:
+        raise MtpllmError("-n must be >= 1")
+    specs = [parse_spec(s) for s in a.spec.split(",")]
+    sets = [s.strip() for s in a.prompts.split(",") if s.strip()]
+    for s in sets:
+        if s not in PROMPT_SETS:
+            raise MtpllmError(f"--prompts: unknown prompt set '{s}' (known: {', '.join(PROMPT_SETS)})")
+    if a.vs_llama_cpp and not Path(a.vs_llama_cpp).is_dir():
+        raise MtpllmError(f"--vs-llama-cpp {a.vs_llama_cpp}: not a directory")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401  (fail before the long run, not after)
+        except ImportError:
+            raise MtpllmError("--plot needs matplotlib: pip install 'mtpllm[bench]'") from None
+    import torch
+
+    from ..gguf.reader import GGUFFile
+    from ..registry import resolve_model, sha256_cached
+    from ..runtime.engine import Engine
+    from ..speculative import SpecConfig
+    threads_list = a.threads or [torch.get_num_threads()]
+    longest = max(a.n_prompt) if any(s in ("synthetic", "long") for s in sets) else 0
+    need = max(a.depth) + max(longest, 512 if any(s in ("code", "prose", "long") for s in sets) else 0) \
+        + max(a.n_gen) + 64  # + chat template and summarisation instruction
+    n_ctx = a.ctx_size or need
+    rows, models, llama_rows = [], [], []
+    total_rows = len(a.model.split(",")) * len(threads_list) * len(sets) * len(a.n_gen) * len(a.depth) * len(specs)
+    done = 0
+    for name in [m.strip() for m in a.model.split(",") if m.strip()]:
+        path = resolve_model(name)
+        g = GGUFFile(path)
+        sha = sha256_cached(path)
+        models.append({"path": str(path), "sha256": sha, "size": g.file_size,
+                       "quant_types": sorted({t.qtype.name for t in g.tensors.values()})})
+        del g
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            engine = Engine.load(str(path), n_ctx=n_ctx, mode="f32" if a.dequantize else "fast", threads=threads,
+                                 device=a.device)
+            built = {}
+            for label, method, k, draft in specs:
+                if method != "none":  # build every proposer before measuring: bad input fails fast
+                    built[label] = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
+                                              mtp_head=a.mtp_head if method == "mtp" else None).build(engine)
+            for ps in sets:
+                sizes = a.n_prompt if ps in ("synthetic", "long") else [0]
+                for n_prompt in sizes:
+                    for n_gen in a.n_gen:
+                        for depth in a.depth:
+                            for label, method, k, draft in specs:
+                                done += 1
+                                print(f"[{done}/{total_rows * len(sizes)}] {path.name} t={threads} {ps} "
+                                      f"p={n_prompt} n={n_gen} d={depth} spec={label}", file=sys.stderr)
+                                row = run_row(engine, built.get(label), label, k, ps, n_prompt, n_gen, depth,
+                                              a.repetitions, a.warmup, a.n_prompts, a.temp, a.seed)
+                                row.update(model=str(path), model_sha256=sha, threads=threads, load_ms=engine.load_ms)
+                                rows.append(row)
+            if a.vs_llama_cpp:
+                llama_rows += run_llama_bench(a.vs_llama_cpp, str(path), a, threads)
+            del engine, built
+    sampling = "greedy" if a.temp == 0 else f"temperature {a.temp}, seed {a.seed}"
+    rep = {"conditions": conditions(argv, a.device, "f32" if a.dequantize else "fast (compressed)", sampling,
+                                    models),
+           "rows": rows}
+    if llama_rows:
+        rep["llama_cpp"] = llama_rows
+    text = {"md": to_markdown, "csv": to_csv, "json": to_json}[a.output](rep)
+    print(text)
+    if a.save:
+        Path(a.save).write_text(to_json(rep))
+    if a.plot:
+        plot(rep, a.plot)
+        print(f"plot written to {a.plot}", file=sys.stderr)
+    return 0

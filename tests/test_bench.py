@@ -1,0 +1,129 @@
+"""`mtpllm bench`: the report validates against its schema, has one row per matrix cell with the
+conditions recorded, and bad input is a clear error. A short run on the real model is slow-marked."""
+import csv
+import io
+import json
+
+import pytest
+
+from mtpllm.bench.report import REPORT_SCHEMA
+from mtpllm.bench.runner import parse_llama_bench_json, parse_spec
+from mtpllm.cli import main
+from mtpllm.errors import MtpllmError
+from tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def bench_model(tiny_dir):
+    return make_tiny(tiny_dir / "bench.gguf", "qwen2", seed=41, nextn=1, ctx=512)
+
+
+def _validate(rep):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(rep, REPORT_SCHEMA)
+
+
+def test_bench_json_report(bench_model, tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    saved = tmp_path / "bench.json"
+    rc = main(["bench", "-m", str(bench_model), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "--warmup", "0",
+               "--spec", "none,mtp:1,mtp:2,ngram:2", "-o", "json", "--save", str(saved), "--plot", str(png)])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    _validate(rep)
+    assert json.loads(saved.read_text()) == rep
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = rep["rows"]
+    assert len(rows) == 2 * 4  # depths x spec methods
+    assert [r["spec"] for r in rows[:4]] == ["none", "mtp:1", "mtp:2", "ngram:2"]
+    c = rep["conditions"]
+    assert c["models"][0]["path"] == str(bench_model) and len(c["models"][0]["sha256"]) == 64
+    assert c["sampling"] == "greedy" and c["torch"] and c["cpu"]
+    for r in rows:
+        # synthetic prompts ignore EOS; after a depth prefix MTP re-evaluates the prefix's last token
+        # (the head's entry there needs the next token, which the prefix did not have)
+        mtp_extra = 1 if r["depth"] and r["spec"].startswith("mtp") else 0
+        assert r["gen_tokens"] == 4 and r["prompt_tokens"] == 16 + mtp_extra
+        assert r["decode_tps"]["mean"] > 0 and r["prefill_tps"]["mean"] > 0 and r["peak_rss_mib"] > 0
+        if r["spec"] == "none":
+            assert r["acceptance_rate"] is None and r["per_position_acceptance"] == []
+        else:
+            # MTP drafts every step; n-gram lookup drafts only where the text repeats
+            n_pos = len(r["per_position_acceptance"])
+            assert 0 <= r["acceptance_rate"] <= 1 and (n_pos == r["k"] if r["spec"].startswith("mtp") else n_pos <= r["k"])
+            assert 1 <= r["mean_acceptance_length"] <= 1 + r["k"]
+
+
+def test_bench_real_prompt_sets_and_formats(bench_model, capsys):
+    assert main(["bench", "-m", str(bench_model), "-n", "4", "-r", "1", "--warmup", "0", "-p", "24",
+                 "--prompts", "code,prose,long", "--n-prompts", "2", "-o", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["prompt_set"] for r in rows] == ["code", "prose", "long"]
+    assert main(["bench", "-m", str(bench_model), "-n", "2", "-p", "8", "-r", "1", "--warmup", "0"]) == 0
+    md = capsys.readouterr().out
+    assert "| pp8+tg2 | none |" in md and "torch" in md and "sha256" in md
+
+
+@pytest.mark.parametrize("spec,err", [("mtp:0", "1..16"), ("mtp:x", "not an integer"), ("eagle", "unknown method"),
+                                      ("draft:", "expected draft:MODEL")])
+def test_bad_spec_is_a_clear_error(spec, err):
+    with pytest.raises(MtpllmError, match=err):
+        parse_spec(spec)
+
+
+def test_spec_parsing():
+    assert parse_spec("none") == ("none", "none", 0, None)
+    assert parse_spec("mtp") == ("mtp:3", "mtp", 3, None)
+    assert parse_spec("ngram:2") == ("ngram:2", "ngram", 2, None)
+    assert parse_spec("draft:/x/y.gguf:4") == ("draft:y.gguf:4", "draft_model", 4, "/x/y.gguf")
+    assert parse_spec("draft:qwen2.5-coder-0.5b") == ("draft:qwen2.5-coder-0.5b:3", "draft_model", 3,
+                                                       "qwen2.5-coder-0.5b")
+
+
+def test_bench_bad_input(bench_model, tmp_path, capsys):
+    assert main(["bench", "-m", str(bench_model), "--prompts", "poems"]) == 1
+    assert "unknown prompt set 'poems'" in capsys.readouterr().err
+    assert main(["bench", "-m", str(bench_model), "--vs-llama-cpp", str(tmp_path / "nope")]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["bench", "-m", str(bench_model), "-p", "8", "-n", "2", "-r", "1", "--warmup", "0",
+                 "--vs-llama-cpp", str(tmp_path)]) == 1
+    assert "no llama-bench binary" in capsys.readouterr().err
+    assert main(["bench", "-m", str(tmp_path / "missing.gguf")]) == 1
+    assert main(["bench", "-m", str(bench_model), "-n", "0"]) == 1
+    with pytest.raises(SystemExit):
+        main(["bench", "-p", "abc"])
+    # MTP on a model without MTP layers fails before any measurement, saying how to get a head
+    plain = make_tiny(tmp_path / "plain.gguf", "qwen2", seed=2)
+    assert main(["bench", "-m", str(plain), "--spec", "mtp:2"]) == 1
+    assert "train-mtp" in capsys.readouterr().err
+
+
+def test_llama_bench_json_is_parsed():
+    # the shape `llama-bench -o json` prints (fields trimmed to the ones used)
+    text = json.dumps([
+        {"model_filename": "/m/qwen.gguf", "n_threads": 2, "n_prompt": 512, "n_gen": 0, "avg_ts": 101.5,
+         "stddev_ts": 1.25},
+        {"model_filename": "/m/qwen.gguf", "n_threads": 2, "n_prompt": 0, "n_gen": 128, "avg_ts": 26.8,
+         "stddev_ts": 0.3}])
+    rows = parse_llama_bench_json(text)
+    assert rows == [{"model": "qwen.gguf", "threads": 2, "test": "pp512", "prefill_tps": "101.50 ± 1.25",
+                     "decode_tps": "-"},
+                    {"model": "qwen.gguf", "threads": 2, "test": "tg128", "prefill_tps": "-",
+                     "decode_tps": "26.80 ± 0.30"}]
+    with pytest.raises(MtpllmError, match="not JSON"):
+        parse_llama_bench_json("error: model not found")
+
+
+@pytest.mark.slow
+def test_short_bench_on_the_real_model(capsys, tmp_path):
+    rc = main(["bench", "-m", "qwen2.5-coder-0.5b", "-p", "64", "-n", "16", "-r", "2", "--spec", "none,ngram:2",
+               "--prompts", "synthetic,code", "--n-prompts", "1", "-o", "json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    _validate(rep)
+    assert len(rep["rows"]) == 4
+    assert rep["conditions"]["models"][0]["sha256"] == \
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert "Q4_K" in rep["conditions"]["models"][0]["quant_types"]
+    for r in rep["rows"]:
+        assert r["decode_tps"]["mean"] > 0 and r["load_ms"] > 0
