@@ -63,6 +63,13 @@ class Embedding(nn.Module):
         return e * self.scale if self.scale != 1.0 else e
 
 
+def cache_windows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Per trunk layer: its sliding window (0 = full attention), for the KV cache layout."""
+    if not cfg.sliding_window or not cfg.swa_layers:
+        return ()
+    return tuple(cfg.sliding_window if s else 0 for s in cfg.swa_layers)
+
+
 class Transformer(nn.Module):
     """Embedding -> blocks -> final norm -> (shared) lm_head. One sequence at a time."""
 
@@ -77,7 +84,7 @@ class Transformer(nn.Module):
 
     def make_cache(self, max_len: int, device="cpu") -> KVCache:
         c = self.cfg
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_len, device=device)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, max_len, device=device, windows=cache_windows(c))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

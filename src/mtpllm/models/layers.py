@@ -139,9 +139,13 @@ class Attention(nn.Module):
             # verification blocks: each query row attends exactly as in one-token decoding (same
             # kernel, same key range, no mask), so speculative and plain greedy decoding agree
             # bit for bit; a batched masked kernel sums in another order
+            # (a sliding-window ring cache shows one-token decoding at position p the keys >= p - span)
             L0 = keys.shape[1] - T
-            o = torch.cat([self._attend(qh[:, :, t:t + 1], keys[:, :L0 + t + 1], values[:, :L0 + t + 1],
-                                        key_pos[:L0 + t + 1], positions[t:t + 1]) for t in range(T)], dim=2)
+            span = kv.span(layer) if hasattr(kv, "span") else 0
+            p0, k0 = int(positions[0]), int(key_pos[0])
+            lo = [max(0, p0 + t - span) - k0 if span else 0 for t in range(T)]
+            o = torch.cat([self._attend(qh[:, :, t:t + 1], keys[:, lo[t]:L0 + t + 1], values[:, lo[t]:L0 + t + 1],
+                                        key_pos[lo[t]:L0 + t + 1], positions[t:t + 1]) for t in range(T)], dim=2)
         else:
             o = self._attend(qh, keys, values, key_pos, positions)
         return self.out(o[0].transpose(0, 1).reshape(T, self.n_heads * self.hd))

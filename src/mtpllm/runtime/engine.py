@@ -264,7 +264,9 @@ class Engine:
 
 def check_kv_memory(cfg, n_ctx: int) -> int:
     """Fail with a clear message (and the largest context that fits) before allocating too much."""
-    need = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx)
+    from ..models.base import cache_windows
+    need = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx,
+                          windows=cache_windows(cfg))
     avail = available_memory()
     if avail and need > 0.9 * avail:
         per_tok = need / n_ctx

@@ -6,9 +6,22 @@ import torch
 from ..errors import MtpllmError
 
 
-def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype=torch.float32) -> int:
-    """Bytes a KVCache of this shape allocates (keys and values)."""
-    return 2 * n_layers * n_kv_heads * head_dim * max_len * torch.finfo(dtype).bits // 8
+# A sliding-window layer keeps its window plus this many positions: speculative rollback (`trim`)
+# of up to SWA_SLACK - 1 positions never needs an entry that a rejected draft overwrote.
+SWA_SLACK = 64
+
+
+def kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype=torch.float32,
+                   windows: tuple[int, ...] = ()) -> int:
+    """Bytes a KVCache of this shape allocates (keys and values). `windows`: per layer, the sliding
+    window (0 = full attention); such a layer holds min(max_len, window + SWA_SLACK) positions."""
+    per_pos = 2 * n_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    lens = [ring_len(w, max_len) for w in windows] + [max_len] * (n_layers - len(windows))
+    return per_pos * sum(lens)
+
+
+def ring_len(window: int, max_len: int) -> int:
+    return max_len if window <= 0 else min(max_len, window + SWA_SLACK)
 
 
 class KVCache:
@@ -17,15 +30,32 @@ class KVCache:
     `length` is the number of positions committed; a forward over T tokens writes positions
     [length, length+T) in every layer and then `advance(T)` commits them. `trim(n)` drops the
     last n positions (rejected draft tokens): nothing is copied, later writes overwrite them.
+
+    Sliding-window layers (`windows[i] > 0`) keep only the last window + SWA_SLACK positions in a
+    ring buffer: long contexts cost those layers a constant amount of memory. `update` then returns
+    the ring's entries in position order followed by the new ones; `span(layer)` tells attention how
+    far back one-token decoding looks, so verification rows can use exactly the same key range.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", windows: tuple[int, ...] = ()):
         self.max_len = max_len
-        self.k = torch.zeros(n_layers, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        windows = tuple(windows) + (0,) * (n_layers - len(windows))
+        self.ring = [ring_len(w, max_len) if w > 0 and ring_len(w, max_len) < max_len else 0 for w in windows]
+        full = [i for i in range(n_layers) if not self.ring[i]]
+        swa = [i for i in range(n_layers) if self.ring[i]]
+        self.slot = {i: j for j, i in enumerate(full)} | {i: j for j, i in enumerate(swa)}
+        self.k = torch.zeros(len(full), n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        R = max(self.ring) if swa else 0
+        self.rk = torch.zeros(len(swa), n_kv_heads, R, head_dim, dtype=dtype, device=device)
+        self.rv = torch.zeros_like(self.rk)
         self.positions = torch.arange(max_len, device=device)
         self.length = 0
+
+    def span(self, layer: int) -> int:
+        """How many earlier positions one-token decoding sees in this layer (0 = all)."""
+        return self.ring[layer]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Store k, v [T, KV, D] at `positions`; return keys, values [KV, L, D] and key positions [L]."""
@@ -33,9 +63,24 @@ class KVCache:
         end = start + T
         if end > self.max_len:
             raise MtpllmError(f"context overflow: position {end} exceeds the context size {self.max_len}")
-        self.k[layer, :, start:end] = k.transpose(0, 1).to(self.k.dtype)
-        self.v[layer, :, start:end] = v.transpose(0, 1).to(self.v.dtype)
-        return self.k[layer, :, :end], self.v[layer, :, :end], self.positions[:end]
+        j, R = self.slot[layer], self.ring[layer]
+        if not R:
+            self.k[j, :, start:end] = k.transpose(0, 1).to(self.k.dtype)
+            self.v[j, :, start:end] = v.transpose(0, 1).to(self.v.dtype)
+            return self.k[j, :, :end], self.v[j, :, :end], self.positions[:end]
+        n_old = min(start, R)
+        kt, vt = k.transpose(0, 1).to(self.rk.dtype), v.transpose(0, 1).to(self.rv.dtype)
+        if n_old:
+            idx = self.positions[start - n_old:start] % R
+            keys = torch.cat([self.rk[j, :, idx], kt], dim=1)
+            values = torch.cat([self.rv[j, :, idx], vt], dim=1)
+        else:
+            keys, values = kt, vt
+        w = min(T, R)  # only the last R new positions can stay
+        slots = self.positions[end - w:end] % R
+        self.rk[j, :, slots] = kt[:, T - w:]
+        self.rv[j, :, slots] = vt[:, T - w:]
+        return keys, values, self.positions[start - n_old:end]
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -50,4 +95,4 @@ class KVCache:
         self.length = 0
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return (self.k.numel() * self.k.element_size() + self.rk.numel() * self.rk.element_size()) * 2

@@ -233,7 +233,8 @@ def _memory(g, cfg, ctx: int, mode: str, r: Report) -> None:
     from ..runtime.engine import available_memory
     from ..runtime.kv_cache import kv_cache_bytes
     w = weight_bytes_estimate(g, mode)
-    kv = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, ctx)
+    from ..models.base import cache_windows
+    kv = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, ctx, windows=cache_windows(cfg))
     need = w + kv + OVERHEAD_BYTES
     avail = available_memory()
     gib = 2 ** 30
