@@ -176,3 +176,35 @@ def test_sliding_window_speculation_stays_identical(tiny_models):
     for k in (2, 5):
         out = e.generate(prompt_ids=prompt, params=p, speculative=SpecConfig("ngram", k).build(e))
         assert out.tokens == ref.tokens
+
+
+def test_yarn_beyond_the_original_context_end_to_end(tiny_dir, capsys):
+    """A tiny model trained for 256 positions, run to 900 with YaRN x4: the scaled rotary is in
+    place (frequencies and attention factor differ from the plain ones), perplexity over the long
+    text is finite, and the CLI runs such a prompt (and warns when scaling is missing)."""
+    import math
+
+    from mtpllm.cli import main
+    from tiny import make_tiny
+    path = make_tiny(tiny_dir / "yarn.gguf", "qwen2", seed=12, ctx=256)
+    yarn = {"rope.scaling": "yarn", "rope.factor": 4.0, "rope.orig_ctx": 256}
+    plain, scaled = load_model(path, "f32"), load_model(path, "f32", yarn)
+    assert scaled.cfg.rope.scaling == "yarn"
+    inv0, att0 = rope_inv_freq(plain.cfg.rope, plain.cfg.head_dim)
+    inv1, att1 = rope_inv_freq(scaled.cfg.rope, scaled.cfg.head_dim)
+    assert att0 == 1.0 and att1 == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert inv1[0] == inv0[0] and inv1[-1] < inv0[-1]  # the highest frequency kept, the lowest scaled
+    toks = torch.tensor(([7, 8, 9, 10, 11, 12, 13, 14] * 120)[:900])
+    for model in (plain, scaled):
+        cache = model.make_cache(1024)
+        logits = torch.cat([model.logits(model(toks[s:s + 300], cache)) for s in range(0, 900, 300)])
+        nll = torch.nn.functional.cross_entropy(logits[:-1], toks[1:])
+        assert torch.isfinite(nll) and cache.length == 900
+    prompt = tiny_dir / "long.txt"
+    prompt.write_text("the cat sat on the mat. " * 60)
+    argv = ["run", "-m", str(path), "-f", str(prompt), "--no-chat", "-n", "8", "--temp", "0", "-c", "1024"]
+    assert main(argv + ["--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "256"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "prompt eval time" in err
+    assert main(argv) == 0
+    assert "--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 256" in capsys.readouterr().err

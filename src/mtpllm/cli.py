@@ -86,8 +86,16 @@ def overrides_from_args(a) -> dict:
 
 def load_engine(a):
     from .runtime.engine import Engine
-    return Engine.load(a.model, n_ctx=a.ctx_size, mode="f32" if a.dequantize else "fast", threads=a.threads,
-                       cfg_overrides=overrides_from_args(a), device=a.device)
+    eng = Engine.load(a.model, n_ctx=a.ctx_size, mode="f32" if a.dequantize else "fast", threads=a.threads,
+                      cfg_overrides=overrides_from_args(a), device=a.device)
+    rope, train = eng.model.cfg.rope, eng.model.cfg.ctx_len
+    reach = train if rope.scaling == "none" else (rope.orig_ctx or train) * rope.factor
+    if eng.n_ctx > reach:
+        factor = eng.n_ctx / (rope.orig_ctx or train)
+        print(f"warning: context {eng.n_ctx} is beyond what this model's RoPE covers ({reach:g} tokens); text past "
+              f"that point degrades. Use --rope-scaling yarn --rope-scale {factor:g} --yarn-orig-ctx "
+              f"{rope.orig_ctx or train} (see `mtpllm doctor`)", file=sys.stderr)
+    return eng
 
 
 def print_timings(t, stats=None, file=sys.stderr) -> None:
