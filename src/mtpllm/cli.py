@@ -98,8 +98,9 @@ def load_engine(a):
     return eng
 
 
-def print_timings(t, stats=None, file=sys.stderr) -> None:
-    """llama.cpp-like timing lines."""
+def print_timings(t, stats=None, file=None) -> None:
+    """llama.cpp-like timing lines (on stderr unless `file` is given)."""
+    file = file or sys.stderr
     def line(label, ms, n):
         per_tok = ms / n if n else 0.0
         tps = n / (ms / 1e3) if ms > 0 else 0.0
