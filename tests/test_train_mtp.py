@@ -92,6 +92,15 @@ def test_resume_continues_from_checkpoint(setup):
     torch.testing.assert_close(torch.tensor(c.losses), torch.tensor(full), rtol=1e-4, atol=1e-5)
 
 
+def test_resume_with_more_steps_continues(setup):
+    a = _trainer(setup, "mtp-more.gguf", 6)
+    a.train(progress=None)
+    b = _trainer(setup, "mtp-more.gguf", 12)  # a larger --steps continues from the checkpoint
+    assert b.load_checkpoint() and b.step == 6 and b.losses == a.losses
+    b.train(progress=None)
+    assert b.step == 12 and len(b.losses) == 12
+
+
 def test_checkpoint_with_other_settings_is_refused(setup):
     a = _trainer(setup, "mtp-d.gguf", 5)
     a.train(progress=None)

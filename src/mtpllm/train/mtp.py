@@ -304,7 +304,12 @@ class Trainer:
             ck = torch.load(self.ckpt_path, weights_only=False)
         except Exception as exc:
             raise MtpllmError(f"{self.ckpt_path}: cannot read checkpoint ({exc}); delete it to start over") from None
-        if ck.get("version") != CKPT_VERSION or ck.get("cfg") != self.cfg.__dict__:
+        # the number of steps (and checkpoint period) may change between runs: resuming with a larger
+        # --steps continues training (the cosine schedule stretches to the new total)
+        free = ("steps", "checkpoint_every")
+        same = {k: v for k, v in (ck.get("cfg") or {}).items() if k not in free} == \
+            {k: v for k, v in self.cfg.__dict__.items() if k not in free}
+        if ck.get("version") != CKPT_VERSION or not same:
             raise MtpllmError(f"{self.ckpt_path}: checkpoint was made with other settings "
                               f"({ck.get('cfg')}); use the same options or delete it")
         self.head.load_state_dict(ck["head"])
