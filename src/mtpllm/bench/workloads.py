@@ -24,13 +24,27 @@ CODE_PROMPTS = [
     "Write a Python function that counts word frequencies in a text and returns the top 10.",
 ]
 
-PROSE_PROMPTS = [
+PROSE_PROMPTS = [  # 20 held-out prose prompts (stories, explanations); never used as training text
     "Explain how a refrigerator keeps food cold, in simple terms.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain why the sky is blue to a ten-year-old.",
     "Describe the water cycle in a few paragraphs.",
     "Write a short story about a robot learning to paint.",
     "Explain what inflation is and why central banks raise interest rates.",
+    "Write a short story about two friends who get lost hiking and find their way home.",
+    "Explain how vaccines train the immune system.",
+    "Describe a busy market in a coastal town at dawn.",
+    "Explain the difference between weather and climate.",
+    "Write a fable about a fox, a crow and a piece of cheese, with a moral at the end.",
+    "Explain how a bicycle stays upright while moving.",
+    "Write a letter from a grandmother to her grandson who just started university.",
+    "Explain why leaves change colour in autumn.",
+    "Write a short story about a cat who becomes mayor of a small village.",
+    "Explain how the internet delivers a web page to a browser, step by step.",
+    "Describe the life cycle of a star like the Sun.",
+    "Write a short story set on a train crossing the mountains in winter.",
+    "Explain what a budget is and how to make a simple monthly budget.",
+    "Explain how bees make honey and why they are important for crops.",
 ]
 
 
