@@ -164,3 +164,23 @@ def test_one_large_document_cannot_crowd_out_the_rest(setup, tiny_dir):
     code = eng.tokenizer.encode("def", add_special=False)[0]
     n_code = sum(code in x for x in w)
     assert 1 <= n_code and len(w) - n_code <= 3200 // 50 // 32 + 1
+
+
+def test_feature_regression_pulls_the_output_toward_the_next_hidden_state(setup):
+    """With --feature-weight > 0 the head's output learns to be the trunk's state at i+1 (what it
+    replaces when drafts are chained for k > 1); with 0 only the logits are matched."""
+    import torch.nn.functional as F
+
+    def feature_error(tr):
+        eng, windows = setup[0], setup[1]
+        ids = torch.tensor(windows[0])
+        with torch.no_grad():
+            h = tr.hidden.get(0)
+            out = tr.head(eng.model.embed(ids[1:])[None], h[:-1][None])[0]
+        return float(F.smooth_l1_loss(out, h[1:]))
+    a = _trainer(setup, "mtp-feat.gguf", 30, feature_weight=1.0)
+    before = feature_error(a)
+    a.train(progress=None)
+    b = _trainer(setup, "mtp-nofeat.gguf", 30, feature_weight=0.0)
+    b.train(progress=None)
+    assert feature_error(a) < 0.85 * before and feature_error(a) < feature_error(b)

@@ -231,6 +231,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
     ap.add_argument("--ffn", type=_nonneg_int, default=0, help="head FFN width (default: the trunk's)")
     ap.add_argument("--draft-vocab", type=_nonneg_int, default=0,
                     help="restrict drafts to the N most frequent tokens of the training text (0 = all)")
+    ap.add_argument("--feature-weight", type=float, default=1.0,
+                    help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-every", type=_positive_int, default=50)
     ap.add_argument("--max-tokens", type=_positive_int, default=2_000_000, help="training text cap, in tokens")
@@ -248,7 +250,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
     from .train.mtp import (TrainConfig, Trainer, evaluate_head, humaneval_prompts, load_prompts, read_texts,
                             token_windows)
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
-                      draft_vocab=a.draft_vocab, seed=a.seed, checkpoint_every=a.checkpoint_every,
+                      draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, seed=a.seed,
+                      checkpoint_every=a.checkpoint_every,
                       max_tokens=a.max_tokens)
     out = Path(a.output)
     if out.parent and not out.parent.exists():

@@ -179,6 +179,7 @@ class TrainConfig:
     warmup: int = 20
     ffn: int = 0  # 0 = trunk's FFN width
     draft_vocab: int = 0  # 0 = full vocabulary
+    feature_weight: float = 1.0  # weight of the hidden-state regression term (0 = KL only)
     seed: int = 0
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
@@ -191,6 +192,8 @@ class TrainConfig:
             raise MtpllmError("train-mtp: seq-len must be at least 8")
         if not self.lr > 0:
             raise MtpllmError(f"train-mtp: lr must be > 0, got {self.lr}")
+        if not self.feature_weight >= 0:
+            raise MtpllmError(f"train-mtp: feature-weight must be >= 0, got {self.feature_weight}")
         if self.ffn < 0 or self.draft_vocab < 0:
             raise MtpllmError("train-mtp: ffn and draft-vocab must be >= 0")
 
@@ -320,7 +323,7 @@ class Trainer:
     # -- one step -----------------------------------------------------------------------
     def batch_loss(self, idx: list[int]) -> torch.Tensor:
         trunk = self.trunk
-        embs, hids, targets = [], [], []
+        embs, hids, targets, nexts = [], [], [], []
         for i in idx:
             ids = torch.tensor(self.windows[i])
             with torch.inference_mode():
@@ -333,14 +336,22 @@ class Trainer:
                 targets.append(torch.log_softmax(logits.float(), -1))
                 embs.append(trunk.embed(ids[1:]))
                 hids.append(h[:-1])
-        emb, hid, tgt = (torch.stack(x).clone() for x in (embs, hids, targets))
+                nexts.append(h[1:])
+        emb, hid, tgt, nxt = (torch.stack(x).clone() for x in (embs, hids, targets, nexts))
         out = self.head(emb, hid)  # [B, S-1, D]
         logits = out @ self.head_w.t()
         if trunk.cfg.final_softcap:
             logits = torch.tanh(logits / trunk.cfg.final_softcap) * trunk.cfg.final_softcap
         logp = torch.log_softmax(logits, -1)
         # KL(teacher || head), mean over positions
-        return (tgt.exp() * (tgt - logp)).sum(-1).mean()
+        kl = (tgt.exp() * (tgt - logp)).sum(-1).mean()
+        if not self.cfg.feature_weight:
+            return kl
+        # For k > 1 the head's output is fed back in place of the trunk's next hidden state, so it
+        # should also BE that state, not only share its logits (EAGLE's feature regression): smooth
+        # L1 to the trunk's state at i+1, relative to that state's mean magnitude.
+        scale = nxt.abs().mean().clamp_min(1e-6)
+        return kl + self.cfg.feature_weight * F.smooth_l1_loss(out / scale, nxt / scale)
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
