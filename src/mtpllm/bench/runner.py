@@ -150,18 +150,7 @@ def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_
             G_n += t.predicted_n
             G_ms += t.predicted_ms
             if rep >= 0 and out.stats is not None:
-                s = out.stats
-                total.num_drafts += s.num_drafts
-                total.num_draft_tokens += s.num_draft_tokens
-                total.num_accepted_tokens += s.num_accepted_tokens
-                total.draft_ms += s.draft_ms
-                total.verify_ms += s.verify_ms
-                for i, (d, a) in enumerate(zip(s.drafted_per_pos, s.accepted_per_pos)):
-                    while len(total.drafted_per_pos) <= i:
-                        total.drafted_per_pos.append(0)
-                        total.accepted_per_pos.append(0)
-                    total.drafted_per_pos[i] += d
-                    total.accepted_per_pos[i] += a
+                total.merge(out.stats)
         if rep < 0:
             continue  # warm-up
         p_tok += P_n

@@ -62,6 +62,20 @@ class SpecStats:
             if i < n_accepted:
                 self.accepted_per_pos[i] += 1
 
+    def merge(self, other: "SpecStats") -> None:
+        """Add another generation's counts to these (pooled statistics over several requests)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.draft_ms += other.draft_ms
+        self.verify_ms += other.verify_ms
+        for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
+            if i >= len(self.drafted_per_pos):
+                self.drafted_per_pos.append(0)
+                self.accepted_per_pos.append(0)
+            self.drafted_per_pos[i] += d
+            self.accepted_per_pos[i] += a
+
     def to_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,

@@ -462,16 +462,5 @@ def evaluate_head(engine, head_path: str, prompts: list[str], k: int = 3, max_to
         if len(ids) + max_tokens >= engine.n_ctx:
             continue
         c = engine.generate(prompt_ids=ids, params=params, speculative=spec)
-        s = c.stats
-        pooled.num_drafts += s.num_drafts
-        pooled.num_draft_tokens += s.num_draft_tokens
-        pooled.num_accepted_tokens += s.num_accepted_tokens
-        pooled.draft_ms += s.draft_ms
-        pooled.verify_ms += s.verify_ms
-        for i, (d, a) in enumerate(zip(s.drafted_per_pos, s.accepted_per_pos)):
-            if i >= len(pooled.drafted_per_pos):
-                pooled.drafted_per_pos.append(0)
-                pooled.accepted_per_pos.append(0)
-            pooled.drafted_per_pos[i] += d
-            pooled.accepted_per_pos[i] += a
+        pooled.merge(c.stats)
     return pooled
