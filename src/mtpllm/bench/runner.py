@@ -140,9 +140,9 @@ def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_
                 spec.proposer.reset()
             params = SamplingParams(temperature=temp, top_k=0, top_p=1.0, min_p=0.0, max_tokens=n_gen,
                                     seed=seed + rep, ignore_eos=prompt_set == "synthetic")
-            if dep:  # the context the measured prompt is appended to, evaluated untimed; one generated
-                # token makes every proposer (an MTP head consumes prompt states lazily) cache the prefix too
-                engine.generate(prompt_ids=dep, params=SamplingParams(temperature=0, max_tokens=1), speculative=spec)
+            if dep:  # the context the measured prompt is appended to, evaluated untimed (the engine and
+                # an MTP head cache it during prefill, so the measured request reuses it)
+                engine.generate(prompt_ids=dep, params=SamplingParams(temperature=0, max_tokens=0), speculative=spec)
             out = engine.generate(prompt_ids=dep + req.ids, params=params, speculative=spec)
             t = out.timings
             P_n += t.prompt_n

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
-from ..runtime.kv_cache import KVCache
+from ..runtime.kv_cache import KVCache, kv_cache_bytes
 from ..runtime.linear import Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, rope_inv_freq
@@ -68,6 +68,13 @@ def cache_windows(cfg: ModelConfig) -> tuple[int, ...]:
     if not cfg.sliding_window or not cfg.swa_layers:
         return ()
     return tuple(cfg.sliding_window if s else 0 for s in cfg.swa_layers)
+
+
+def model_kv_bytes(cfg: ModelConfig, n_ctx: int) -> int:
+    """KV-cache bytes for a context of n_ctx tokens: trunk and in-file MTP layers, sliding layers
+    counted at their ring size (what `make_cache` allocates)."""
+    return kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx,
+                          windows=cache_windows(cfg))
 
 
 class Transformer(nn.Module):

@@ -22,7 +22,6 @@ from ..gguf.reader import GGUFFile
 from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
-from .kv_cache import kv_cache_bytes
 from .sampling import SamplingParams, Sampler, make_sampler
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the [T, L] attention mask and activations
@@ -264,9 +263,8 @@ class Engine:
 
 def check_kv_memory(cfg, n_ctx: int) -> int:
     """Fail with a clear message (and the largest context that fits) before allocating too much."""
-    from ..models.base import cache_windows
-    need = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx,
-                          windows=cache_windows(cfg))
+    from ..models.base import model_kv_bytes
+    need = model_kv_bytes(cfg, n_ctx)
     avail = available_memory()
     if avail and need > 0.9 * avail:
         per_tok = need / n_ctx

@@ -41,7 +41,9 @@ class KVCache:
                  dtype=torch.float32, device="cpu", windows: tuple[int, ...] = ()):
         self.max_len = max_len
         windows = tuple(windows) + (0,) * (n_layers - len(windows))
-        self.ring = [ring_len(w, max_len) if w > 0 and ring_len(w, max_len) < max_len else 0 for w in windows]
+        # ring size per layer, 0 where the layer keeps every position (full attention, or a window
+        # so large the ring would not be smaller)
+        self.ring = [r if r < max_len else 0 for r in (ring_len(w, max_len) for w in windows)]
         full = [i for i in range(n_layers) if not self.ring[i]]
         swa = [i for i in range(n_layers) if self.ring[i]]
         self.slot = {i: j for j, i in enumerate(full)} | {i: j for j, i in enumerate(swa)}

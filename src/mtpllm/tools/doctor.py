@@ -230,11 +230,10 @@ def weight_bytes_estimate(g, mode: str = "fast") -> int:
 
 
 def _memory(g, cfg, ctx: int, mode: str, r: Report) -> None:
+    from ..models.base import model_kv_bytes
     from ..runtime.engine import available_memory
-    from ..runtime.kv_cache import kv_cache_bytes
     w = weight_bytes_estimate(g, mode)
-    from ..models.base import cache_windows
-    kv = kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, ctx, windows=cache_windows(cfg))
+    kv = model_kv_bytes(cfg, ctx)
     need = w + kv + OVERHEAD_BYTES
     avail = available_memory()
     gib = 2 ** 30
