@@ -239,7 +239,10 @@ def main(argv: list[str]) -> int:
         + max(a.n_gen) + 64  # + chat template and summarisation instruction
     n_ctx = a.ctx_size or need
     rows, models, llama_rows = [], [], []
-    total_rows = len(a.model.split(",")) * len(threads_list) * len(sets) * len(a.n_gen) * len(a.depth) * len(specs)
+    def prompt_sizes(ps: str) -> list[int]:  # -p applies to the synthetic and long sets only
+        return a.n_prompt if ps in ("synthetic", "long") else [0]
+    total_rows = len([m for m in a.model.split(",") if m.strip()]) * len(threads_list) * \
+        sum(len(prompt_sizes(ps)) for ps in sets) * len(a.n_gen) * len(a.depth) * len(specs)
     done = 0
     for name in [m.strip() for m in a.model.split(",") if m.strip()]:
         path = resolve_model(name)
@@ -258,13 +261,12 @@ def main(argv: list[str]) -> int:
                     built[label] = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
                                               mtp_head=a.mtp_head if method == "mtp" else None).build(engine)
             for ps in sets:
-                sizes = a.n_prompt if ps in ("synthetic", "long") else [0]
-                for n_prompt in sizes:
+                for n_prompt in prompt_sizes(ps):
                     for n_gen in a.n_gen:
                         for depth in a.depth:
                             for label, method, k, draft in specs:
                                 done += 1
-                                print(f"[{done}/{total_rows * len(sizes)}] {path.name} t={threads} {ps} "
+                                print(f"[{done}/{total_rows}] {path.name} t={threads} {ps} "
                                       f"p={n_prompt} n={n_gen} d={depth} spec={label}", file=sys.stderr)
                                 row = run_row(engine, built.get(label), label, k, ps, n_prompt, n_gen, depth,
                                               a.repetitions, a.warmup, a.n_prompts, a.temp, a.seed)
