@@ -141,3 +141,123 @@ def test_int8_rows_track_the_dequantized_weight():
     torch.testing.assert_close(lin(x), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
     xb = torch.randn(GEMM_MIN_ROWS, 256)
     torch.testing.assert_close(lin(xb), xb @ lin.dequantized().t(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the engine's CPU kernel
+from mtpllm.runtime import kernels  # noqa: E402
+from mtpllm.runtime.linear import BlockWeight, block_weight_from_raw  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not kernels._cpu_has_avx2(), reason="the CPU kernel needs AVX2")
+EXACT = [QT.Q8_0, QT.Q5_0, QT.Q4_0, QT.Q4_1, QT.Q5_1, QT.Q2_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+K_QUANTS = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def _raw(qtype, n, k, seed):
+    rng = np.random.default_rng(seed)
+    if qtype in K_QUANTS:
+        return random_kquant((n, k), qtype, rng, 0.1)
+    return quantize(rng.normal(0, 0.05, size=(n, k)).astype(np.float32), qtype)
+
+
+@needs_kernel
+def test_kernel_is_built_here():
+    """On an AVX2 machine a build failure must not pass silently (it would fall back to slower kernels)."""
+    assert kernels.available(), kernels.status()
+
+
+@pytest.mark.parametrize("qtype", EXACT + [QT.Q3_K])
+def test_block_weights_keep_the_file_codes(qtype):
+    """Mapped types keep the file's integers: scale * code - min reproduces the dequantized weight up
+    to float32 rounding (1e-6 of the largest weight); codes stay in the type's range (Q4_K packed two
+    per byte). Q3_K has no mapping: int8 per group of 32, each weight within half a step."""
+    n, k = 48, 512
+    raw = _raw(qtype, n, k, int(qtype))
+    ref = dequantize(raw, qtype, (n, k))
+    bw = block_weight_from_raw(raw, qtype, n, k)
+    assert bw.shape == (n, k)
+    if qtype == QT.Q3_K:
+        step = ref.reshape(n, k // 32, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((bw.dequantized() - ref).reshape(n, k // 32, 32).abs() <= step * 0.5 + 1e-7).all()
+        return
+    torch.testing.assert_close(bw.dequantized(), ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
+    codes = bw.int_codes()
+    lo, hi = {QT.Q8_0: (-128, 127), QT.Q5_0: (-16, 15), QT.Q4_0: (-8, 7), QT.Q4_1: (0, 15), QT.Q5_1: (0, 31),
+              QT.Q2_K: (0, 3), QT.Q4_K: (0, 15), QT.Q5_K: (0, 31), QT.Q6_K: (-32, 31)}[qtype]
+    assert int(codes.min()) >= lo and int(codes.max()) <= hi
+    assert bw.group == (16 if qtype in (QT.Q2_K, QT.Q6_K) else 32)
+    assert bw.nibbles == (qtype == QT.Q4_K)
+
+
+def _kernel_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: x quantized to int8 per block of 32 (d = max|x|/127,
+    round half away from zero differs from the kernel's half-to-even only on exact ties)."""
+    m, k = x.shape
+    xb = x.double().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(xb / torch.where(d > 0, d, torch.ones_like(d)))
+    return ((q * d).reshape(m, k) @ w.double().t()).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q4_1, QT.Q4_K, QT.Q6_K, QT.Q2_K, QT.Q3_K])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_block_kernel_matches_reference(qtype, m):
+    """The kernel equals the int8-activation formula to float32 accumulation error (1e-5 relative),
+    and the full product x @ W^T to within the worst case of the activation rounding: each x moves
+    by at most half its block's step d = max|x|/127, so |error| <= sum over blocks d/2 * sum|w|."""
+    n, k = 40, 768
+    raw = _raw(qtype, n, k, 7)
+    bw = block_weight_from_raw(raw, qtype, n, k)
+    w = bw.dequantized()
+    x = torch.randn(m, k)
+    x[:, 5] *= 20  # an outlier channel, as in real activations
+    y = bw.matmul(x)
+    ref = _kernel_reference(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = x.double() @ w.double().t()
+    d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127  # [m, blocks]
+    wsum = w.double().abs().reshape(n, k // 32, 32).sum(-1)  # [n, blocks]
+    bound = d / 2 @ wsum.t()
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    assert float((y.double() - exact).norm() / exact.norm()) < 0.02  # typical size: about 1%
+
+
+@needs_kernel
+def test_block_kernel_rows_are_independent_of_batch_and_threads():
+    """Verification of k+1 tokens must give the logits of k+1 single steps bit for bit: each output
+    row depends only on its own input row, whatever the batch size or thread count."""
+    n, k = 300, 1024
+    for qtype in (QT.Q5_0, QT.Q4_K, QT.Q6_K):
+        bw = block_weight_from_raw(_raw(qtype, n, k, 3), qtype, n, k)
+        x = torch.randn(7, k)
+        full = bw.matmul(x)
+        for i in range(7):
+            assert torch.equal(bw.matmul(x[i:i + 1].contiguous()), full[i:i + 1])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = bw.matmul(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, full)
+
+
+@needs_kernel
+def test_block_linear_fuses_formats_and_slices_rows():
+    """q/k (Q4_K) and v (Q6_K) differ in format: one Linear runs them as two segments in order;
+    `rows` (the MTP draft vocabulary) keeps the kernel format for a single segment."""
+    from mtpllm.runtime.linear import Linear
+    k = 512
+    parts = [block_weight_from_raw(_raw(t, n, k, i), t, n, k)
+             for i, (t, n) in enumerate([(QT.Q4_K, 64), (QT.Q4_K, 32), (QT.Q6_K, 32)])]
+    segs = [BlockWeight.cat(parts[:2]), parts[2]]
+    lin = Linear("blocks", None, torch.randn(128), blocks=segs)
+    assert (lin.out_features, lin.in_features) == (128, k)
+    x = torch.randn(2, k)
+    w = torch.cat([p.dequantized() for p in parts])
+    torch.testing.assert_close(lin(x), _kernel_reference(x, w) + lin.bias, rtol=1e-5, atol=1e-4)
+    head = Linear("blocks", None, None, blocks=[parts[0]])
+    ids = torch.tensor([3, 0, 17])
+    sub = head.rows(ids)
+    assert sub.kind == "blocks"
+    assert torch.equal(sub(x), head(x)[:, ids])

@@ -8,16 +8,26 @@
             of the 5-6-bit types' own block steps, and perplexity is checked against the fp32 path.
   - "int4": GGUF Q4_K mapped exactly onto group-32 asymmetric int4 (see `q4k_to_int4`),
             run by `aten._weight_int4pack_mm_for_cpu` on CPU.
+  - "blocks": the engine's CPU kernel (`kernels.q8_linear`, AVX2): the file's own integer codes with
+            one float scale (and min) per group of 16/32 weights, so w = scale * q - min exactly as
+            in the file (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q2_K, Q4_K, Q5_K, Q6_K; Q4_K codes stay
+            4-bit, two per byte). Other quantized types are requantized to int8 per group of 32.
+            Activations are quantized per block of 32 (int8, like llama.cpp's Q8_0); each output
+            row is computed independently of the other rows in the batch.
 Several GGUF tensors that share an input (q/k/v, gate/up) can be fused into one `Linear`.
 """
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
+from ..gguf.quants import dequantize
 from ..gguf.reader import GGUFFile
+from . import kernels
 
 INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
 # From this many rows on (prompt chunks), int8 weights are dequantized and multiplied by an fp32
@@ -55,20 +65,155 @@ def q4k_to_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     return q, sz
 
 
+class BlockWeight:
+    """One weight matrix in the CPU kernel's format: integer codes, per-group scales (and mins).
+
+    codes: int8 [N, K] (signed or unsigned values) or uint8 [N, K/2] (4-bit codes, per 32-block
+    16 bytes: code j in the low nibble, code j + 16 in the high one); scales, mins: float32
+    [N, K/group]; w[n, k] = scales[n, k // group] * code[n, k] - mins[n, k // group].
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int):
+        self.codes, self.scales, self.mins, self.group = codes, scales, mins, group
+
+    @property
+    def nibbles(self) -> bool:
+        return self.codes.dtype == torch.uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.codes.shape
+        return n, k * 2 if self.nibbles else k
+
+    def fmt(self) -> tuple:
+        return self.codes.dtype, self.group, self.mins is not None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.q8_linear(x, self.codes, self.scales, self.mins, self.group)
+
+    def int_codes(self) -> torch.Tensor:
+        if not self.nibbles:
+            return self.codes
+        n, k = self.shape
+        c = self.codes.reshape(n, k // 32, 16)
+        return torch.stack([c & 15, c >> 4], dim=2).reshape(n, k).to(torch.int8)
+
+    def dequantized(self) -> torch.Tensor:
+        n, k = self.shape
+        w = self.int_codes().float().reshape(n, k // self.group, self.group) * self.scales[..., None]
+        if self.mins is not None:
+            w -= self.mins[..., None]
+        return w.reshape(n, k)
+
+    def rows(self, ids: torch.Tensor) -> "BlockWeight":
+        return BlockWeight(self.codes[ids].contiguous(), self.scales[ids].contiguous(),
+                           self.mins[ids].contiguous() if self.mins is not None else None, self.group)
+
+    @staticmethod
+    def cat(parts: list["BlockWeight"]) -> "BlockWeight":
+        if len(parts) == 1:
+            return parts[0]
+        mins = [p.mins for p in parts]
+        return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                           torch.cat(mins) if mins[0] is not None else None, parts[0].group)
+
+
+def _f16(b: torch.Tensor, off: int) -> torch.Tensor:
+    return b[..., off:off + 2].contiguous().view(torch.float16).float()[..., 0]
+
+
+def _k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K super-blocks [.., 144|176 bytes] -> (d*sc, dmin*m) per 32 weights, as ggml get_scale_min_k4."""
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    s = b[..., 4:16].to(torch.int32)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1).float()
+    m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1).float()
+    return d[..., None] * sc, dmin[..., None] * m
+
+
+def _group_params(qtype, b: torch.Tensor):
+    """(group, scales, mins) of a GGUF type from its raw blocks b [N, n_blocks, block_bytes], or None."""
+    if qtype in (QT.Q8_0, QT.Q5_0, QT.Q4_0):
+        return 32, _f16(b, 0), None
+    if qtype in (QT.Q4_1, QT.Q5_1):  # w = d * q + m
+        return 32, _f16(b, 0), -_f16(b, 2)
+    if qtype in (QT.Q4_K, QT.Q5_K):
+        sc, mn = _k_scales_mins(b)
+        return 32, sc, mn
+    if qtype == QT.Q6_K:  # w = d * sc * (q - 32) per 16
+        return 16, _f16(b, 208)[..., None] * b[..., 192:208].contiguous().view(torch.int8).float(), None
+    if qtype == QT.Q2_K:  # w = d * (sc & 15) * q - dmin * (sc >> 4) per 16
+        sc = b[..., 0:16].to(torch.int32)
+        return 16, _f16(b, 80)[..., None] * (sc & 15).float(), _f16(b, 82)[..., None] * (sc >> 4).float()
+    return None
+
+
+def block_weight(g: GGUFFile, name: str) -> BlockWeight:
+    info = g.info(name)
+    return block_weight_from_raw(g.raw(name), info.qtype, info.shape[0], info.shape[1], name)
+
+
+def block_weight_from_raw(raw: np.ndarray, qtype, n: int, k: int, name: str = "?") -> BlockWeight:
+    """A quantized GGUF tensor in the kernel's format: the file's codes where the type maps exactly
+    (the codes are recovered from the dequantized weights and the block scales, and checked),
+    otherwise int8 requantized per group of 32 (symmetric, round to nearest)."""
+    from gguf import GGML_QUANT_SIZES
+    w = dequantize(raw, qtype, (n, k), name)
+    params = None
+    bsz, tsz = GGML_QUANT_SIZES[qtype]
+    if k % bsz == 0:
+        with warnings.catch_warnings():  # read-only file mapping: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // bsz, tsz)
+        params = _group_params(qtype, b)
+    if params is not None:
+        group, scales, mins = params
+        scales = scales.reshape(n, k // group).contiguous()
+        mins = mins.reshape(n, k // group).contiguous() if mins is not None else None
+        wg = w.reshape(n, k // group, group)
+        num = wg + mins[..., None] if mins is not None else wg
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        q = torch.round(num / safe[..., None])
+        err = (q * scales[..., None] - num).abs()
+        if q.abs().max() <= 127 and bool((err <= 1e-3 * scales.abs()[..., None] + 1e-30).all()):
+            codes = q.reshape(n, k).to(torch.int8)
+            if qtype == QT.Q4_K:  # 4-bit codes 0..15: two per byte
+                c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
+                codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+            return BlockWeight(codes, scales, mins, group)
+    wg = w.reshape(n, k // 32, 32)
+    scales = (wg.abs().amax(-1) / 127.0)
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round(wg / safe[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return BlockWeight(codes, scales.contiguous(), None, 32)
+
+
 class Linear(torch.nn.Module):
     """y = x @ W^T (+ b) with W stored as f32, int8 or packed int4. x: [T, K] float32 -> [T, N] float32."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 scales_zeros: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0):
+    def __init__(self, kind: str, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 scales_zeros: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0,
+                 blocks: list[BlockWeight] | None = None):
         super().__init__()
         self.kind = kind
         self.weight = weight
         self.bias = bias
         self.scales_zeros = scales_zeros
+        self.blocks = blocks or []
+        if kind == "blocks":
+            out_features = sum(b.shape[0] for b in self.blocks)
+            in_features = self.blocks[0].shape[1]
         self.out_features = out_features or weight.shape[0]
         self.in_features = in_features or weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "blocks":
+            if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
+                return F.linear(x, self.dequantized(), self.bias)
+            x = x.contiguous()
+            ys = [b.matmul(x) for b in self.blocks]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+            return y + self.bias if self.bias is not None else y
         if self.kind == "f32":
             if 1 < x.shape[0] < GEMM_MIN_ROWS:
                 # verification blocks: the BLAS GEMM sums in another order than the one-row GEMV of
@@ -91,6 +236,10 @@ class Linear(torch.nn.Module):
     def rows(self, ids: torch.Tensor) -> "Linear":
         """A Linear computing only output rows `ids` (same storage format where it can be sliced)."""
         bias = self.bias[ids] if self.bias is not None else None
+        if self.kind == "blocks":
+            if len(self.blocks) == 1:
+                return Linear("blocks", None, bias, blocks=[self.blocks[0].rows(ids)])
+            return Linear("f32", self.dequantized()[ids].contiguous(), bias)
         if self.kind == "f32":
             return Linear("f32", self.weight[ids].contiguous(), bias)
         if self.kind == "int8":
@@ -101,6 +250,9 @@ class Linear(torch.nn.Module):
         """The weight as float32 [N, K] (for the MTP trainer and tests)."""
         if self.kind == "f32":
             return self.weight
+        if self.kind == "blocks":
+            return torch.cat([b.dequantized() for b in self.blocks]) if len(self.blocks) > 1 \
+                else self.blocks[0].dequantized()
         if self.kind == "int8":
             return self.weight.float() * self.scales_zeros.float()[:, None]
         eye = torch.eye(self.in_features, dtype=torch.float32)
@@ -126,14 +278,25 @@ def make_linear(g: GGUFFile, names: list[str], bias_names: list[str] | None = No
                 mode: str = "fast") -> Linear:
     """Build one Linear from one or more GGUF weight tensors (fused along the output dim).
 
-    mode "f32": everything dequantized to float32; "fast": Q4_K -> int4, other quantized types -> int8
-    per output row, float types -> f32.
+    mode "f32": everything dequantized to float32; "fast": quantized types -> the engine's CPU kernel
+    (file codes kept) when it is available, else Q4_K -> int4 and other quantized types -> int8 per
+    output row; float types -> f32.
     """
     infos = [g.info(n) for n in names]
     k = infos[0].shape[1]
     bias = None
     if bias_names:
         bias = torch.cat([g.load(b).reshape(-1) for b in bias_names])
+    if mode == "fast" and k % 32 == 0 and all(i.qtype not in (QT.F32, QT.F16, QT.BF16) for i in infos) \
+            and kernels.available():
+        segments: list[BlockWeight] = []
+        for n in names:  # adjacent tensors of the same format are fused into one kernel call
+            bw = block_weight(g, n)
+            if segments and segments[-1][-1].fmt() == bw.fmt():
+                segments[-1].append(bw)
+            else:
+                segments.append([bw])
+        return Linear("blocks", None, bias, blocks=[BlockWeight.cat(p) for p in segments])
     if mode == "fast" and all(i.qtype == QT.Q4_K for i in infos) and k % 256 == 0:
         qs, szs = zip(*(q4k_to_int4(g.raw(i.name), i.shape[0], k) for i in infos))
         q = torch.cat(qs, dim=0)
