@@ -301,6 +301,11 @@ def cmd_doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
+def cmd_perplexity(argv: list[str]) -> int:
+    from .tools.perplexity import main as perplexity_main
+    return perplexity_main(argv)
+
+
 def cmd_bench(argv: list[str]) -> int:
     from .bench.runner import main as bench_main
     return bench_main(argv)
@@ -310,6 +315,7 @@ COMMANDS = {
     "run": (cmd_run, "generate text from a prompt"),
     "chat": (cmd_chat, "interactive chat"),
     "bench": (cmd_bench, "benchmark prefill, decode, end-to-end and speculative decoding"),
+    "perplexity": (cmd_perplexity, "perplexity of a model on a text file (compressed vs --dequantize)"),
     "inspect": (cmd_inspect, "show a GGUF file's metadata, tensors, tokenizer, RoPE and MTP layers"),
     "doctor": (cmd_doctor, "check a GGUF file: integrity, SHA-256, MTP, RoPE/YaRN, memory; recommend flags"),
     "train-mtp": (cmd_train_mtp, "train (retrofit) an MTP head by self-distillation"),
