@@ -184,3 +184,45 @@ def test_feature_regression_pulls_the_output_toward_the_next_hidden_state(setup)
     b = _trainer(setup, "mtp-nofeat.gguf", 30, feature_weight=0.0)
     b.train(progress=None)
     assert feature_error(a) < 0.85 * before and feature_error(a) < feature_error(b)
+
+
+def test_init_fine_tunes_an_existing_head(setup):
+    """--init starts from a written head: same weights (up to the file's Q8_0), same FFN width and
+    draft vocabulary; a head for another trunk or conflicting options are refused."""
+    eng, windows, d = setup
+    base = _trainer(setup, "mtp-base.gguf", 6, ffn=256, draft_vocab=100)
+    base.train(progress=None)
+    path = base.write_gguf(sha256_cached(eng.model.source))
+    cfg = TrainConfig(steps=3, seq_len=48, batch=2, lr=3e-3, warmup=2, checkpoint_every=5)
+    tuned = Trainer(eng, windows, cfg, d / "mtp-tuned.gguf", "test text", init=str(path))
+    assert tuned.head.wgate.shape[0] == 256 and torch.equal(tuned.vocab, base.vocab)
+    for name in ("eh_proj", "wq", "wdown", "out_norm"):
+        a, b = getattr(tuned.head, name), getattr(base.head, name)
+        assert (a - b).abs().max() <= b.abs().max() / 127 + 1e-6  # Q8_0 round trip
+    assert torch.allclose(tuned.head.qkv_bias, base.head.qkv_bias)
+    loss_init = float(tuned.batch_loss(tuned.order[:2]))
+    fresh = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=256, draft_vocab=100),
+                    d / "mtp-fresh.gguf", "test text")
+    assert loss_init < float(fresh.batch_loss(tuned.order[:2]))  # starts where the trained head was
+    with pytest.raises(MtpllmError, match="keeps the head's FFN width"):
+        Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=128), d / "mtp-x.gguf", "t",
+                init=str(path))
+    other = base.write_gguf("f" * 64)
+    with pytest.raises(MtpllmError, match="trained for a model with sha256"):
+        Trainer(eng, windows, cfg, d / "mtp-y.gguf", "t", init=str(other))
+
+
+def test_jsonl_records_are_documents_and_tails_are_covered(setup, tiny_dir):
+    """Each record of a .jsonl file (a conversation) is its own document; a document longer than a
+    window also contributes a window ending at its last token (the end of an answer)."""
+    import json
+    eng = setup[0]
+    f = tiny_dir / "conv.jsonl"
+    recs = [{"prompt": "p", "text": f"question {i}: " + "the cat sat on the mat. " * 3 + f"END{i}"} for i in range(3)]
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    texts = read_texts([str(f)])
+    assert [t for _, t in texts] == [r["text"] for r in recs]
+    w = token_windows(eng.tokenizer, texts, 32, 10_000, 0)
+    for r in recs:
+        ids = eng.tokenizer.encode(r["text"], add_special=False)
+        assert 32 < len(ids) < 6 * 32 and len(ids) % 32 and ids[-32:] in w  # the tail window

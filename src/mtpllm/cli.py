@@ -233,6 +233,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="restrict drafts to the N most frequent tokens of the training text (0 = all)")
     ap.add_argument("--feature-weight", type=float, default=1.0,
                     help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
+    ap.add_argument("--init", default=None, metavar="HEAD.gguf",
+                    help="fine-tune an existing head for this model (keeps its FFN width and draft vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-every", type=_positive_int, default=50)
     ap.add_argument("--max-tokens", type=_positive_int, default=2_000_000, help="training text cap, in tokens")
@@ -269,7 +271,7 @@ def cmd_train_mtp(argv: list[str]) -> int:
     print(f"training data: {len(texts)} files, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
           f"{cfg.steps} steps x {cfg.batch} windows", file=sys.stderr)
     desc = ", ".join(a.data) + f" ({n_tok} tokens)"
-    tr = Trainer(eng, windows, cfg, out, desc)
+    tr = Trainer(eng, windows, cfg, out, desc, init=a.init)
     if not a.no_resume and tr.load_checkpoint():
         print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)
     t0 = time.time()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MtpllmError
+from ..gguf.reader import GGUFFile
 from ..models.base import Transformer
 
 CKPT_VERSION = 1
@@ -90,14 +91,35 @@ class TrainableHead(nn.Module):
         x = x + (self.act(f @ self.wgate.t()) * (f @ self.wup.t())) @ self.wdown.t()
         return self._rms(x, self.out_norm)
 
+    def load_gguf(self, g: GGUFFile, L: int) -> None:
+        """Start from the weights of a head file written by `export` (block index L)."""
+        attrs = self._export_attrs(L)
+        missing = [n for n in attrs if n not in g]
+        if missing:
+            raise MtpllmError(f"{g.path}: not an MTP head for this model (no tensor {missing[0]})")
+        with torch.no_grad():
+            for name, attr in attrs.items():
+                ref, t = getattr(self, attr), g.load(name)
+                if t.numel() != ref.numel():
+                    raise MtpllmError(f"{g.path}: tensor {name} has shape {tuple(g.info(name).shape)}, "
+                                      f"expected {tuple(ref.shape)}")
+                ref.copy_(t.reshape(ref.shape))
+            if self.qkv_bias is not None:
+                p = f"blk.{L}."
+                self.qkv_bias.copy_(torch.cat([g.load(p + f"attn_{x}.bias").reshape(-1) for x in "qkv"]))
+
+    def _export_attrs(self, L: int) -> dict[str, str]:
+        p = f"blk.{L}."
+        return {p + "nextn.eh_proj.weight": "eh_proj", p + "nextn.enorm.weight": "enorm",
+                p + "nextn.hnorm.weight": "hnorm", p + "nextn.shared_head_norm.weight": "out_norm",
+                p + "attn_norm.weight": "attn_norm", p + "attn_q.weight": "wq", p + "attn_k.weight": "wk",
+                p + "attn_v.weight": "wv", p + "attn_output.weight": "wo", p + "ffn_norm.weight": "ffn_norm",
+                p + "ffn_gate.weight": "wgate", p + "ffn_up.weight": "wup", p + "ffn_down.weight": "wdown"}
+
     def export(self, L: int) -> dict[str, torch.Tensor]:
         """GGUF tensor name -> float32 tensor, llama.cpp next-n layout for block index L."""
         p = f"blk.{L}."
-        t = {p + "nextn.eh_proj.weight": self.eh_proj, p + "nextn.enorm.weight": self.enorm,
-             p + "nextn.hnorm.weight": self.hnorm, p + "nextn.shared_head_norm.weight": self.out_norm,
-             p + "attn_norm.weight": self.attn_norm, p + "attn_q.weight": self.wq, p + "attn_k.weight": self.wk,
-             p + "attn_v.weight": self.wv, p + "attn_output.weight": self.wo, p + "ffn_norm.weight": self.ffn_norm,
-             p + "ffn_gate.weight": self.wgate, p + "ffn_up.weight": self.wup, p + "ffn_down.weight": self.wdown}
+        t = {name: getattr(self, attr) for name, attr in self._export_attrs(L).items()}
         if self.qkv_bias is not None:
             c = self.cfg
             bq, bk, bv = self.qkv_bias.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
@@ -123,8 +145,8 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
                 text = f.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            if f.suffix == ".jsonl":
-                parts = []
+            if f.suffix == ".jsonl":  # one document per record (a conversation, a chapter)
+                n0 = len(out)
                 for line in text.splitlines():
                     try:
                         obj = json.loads(line)
@@ -136,8 +158,10 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
                         vals = [v for v in obj.values() if isinstance(v, str)]
                     else:
                         vals = [obj] if isinstance(obj, str) else []
-                    parts.append(" ".join(vals))
-                text = "\n".join(parts)
+                    rec = " ".join(vals)
+                    if rec.strip():
+                        out.append((f"{f}#{len(out) - n0}", rec))
+                continue
             if text.strip():
                 out.append((str(f), text))
     if not out:
@@ -158,10 +182,13 @@ def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tok
     windows, total = [], 0
     for _, text in docs:
         ids = tokenizer.encode(text, add_special=False)
-        n_win = (len(ids) - seq_len) // seq_len + 1 if len(ids) >= seq_len else 0
+        starts = list(range(0, len(ids) - seq_len + 1, seq_len))
+        if starts and starts[-1] + seq_len < len(ids):
+            starts.append(len(ids) - seq_len)  # the tail (e.g. the end of an answer), overlapping
+        n_win = len(starts)
         take = min(n_win, max(1, per_doc // seq_len))
         first = rng.randrange(n_win - take + 1) if n_win else 0
-        for s in range(first * seq_len, (first + take) * seq_len, seq_len):
+        for s in starts[first:first + take]:
             windows.append(ids[s:s + seq_len])
             total += seq_len
             if total >= max_tokens:
@@ -262,18 +289,33 @@ class HiddenCache:
 
 
 class Trainer:
-    def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str):
+    def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str,
+                 init: str | None = None):
         if not windows:
             raise MtpllmError("train-mtp: not enough text for one training window; add data or lower --seq-len")
         self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
         trunk = engine.model
         self.trunk = trunk
         torch.manual_seed(cfg.seed)
-        ffn = cfg.ffn or trunk.blocks[-1].mlp.down.in_features
+        init_g = None
+        if init:  # fine-tune an existing head: its FFN width and draft vocabulary are kept
+            from ..speculative.mtp import check_head_trunk
+            init_g = GGUFFile(init)
+            check_head_trunk(init_g, Path(trunk.source))
+            ffn = int(init_g.get(f"{init_g.arch}.feed_forward_length", 0)) or trunk.blocks[-1].mlp.down.in_features
+            if cfg.ffn and cfg.ffn != ffn or cfg.draft_vocab:
+                raise MtpllmError("train-mtp: --init keeps the head's FFN width and draft vocabulary; "
+                                  "drop --ffn/--draft-vocab")
+        else:
+            ffn = cfg.ffn or trunk.blocks[-1].mlp.down.in_features
         self.head = TrainableHead(trunk, ffn, cfg.seed)
         self.windows = windows
         V = trunk.cfg.vocab_size
-        if cfg.draft_vocab and cfg.draft_vocab < V:
+        if init_g is not None:
+            self.head.load_gguf(init_g, trunk.cfg.n_layers)
+            ids = init_g.get("mtpllm.draft_vocab")
+            self.vocab = torch.tensor(sorted(int(x) for x in ids)) if ids else None
+        elif cfg.draft_vocab and cfg.draft_vocab < V:
             counts = np.bincount(np.concatenate([np.asarray(w) for w in windows]), minlength=V)
             self.vocab = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:cfg.draft_vocab]))
         else:
