@@ -268,9 +268,9 @@ def cmd_train_mtp(argv: list[str]) -> int:
               file=sys.stderr)
     windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed)
     n_tok = len(windows) * cfg.seq_len
-    print(f"training data: {len(texts)} files, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
+    print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
           f"{cfg.steps} steps x {cfg.batch} windows", file=sys.stderr)
-    desc = ", ".join(a.data) + f" ({n_tok} tokens)"
+    desc = ", ".join(Path(p).name for p in a.data) + f" ({n_tok} tokens)"  # names only: no local paths
     tr = Trainer(eng, windows, cfg, out, desc, init=a.init)
     if not a.no_resume and tr.load_checkpoint():
         print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)

@@ -276,8 +276,10 @@ def main(argv: list[str]) -> int:
                 llama_rows += run_llama_bench(a.vs_llama_cpp, str(path), a, threads)
             del engine, built
     sampling = "greedy" if a.temp == 0 else f"temperature {a.temp}, seed {a.seed}"
-    rep = {"conditions": conditions(argv, a.device, "f32" if a.dequantize else "fast (compressed)", sampling,
-                                    models),
+    from ..runtime import kernels
+    mode = "f32" if a.dequantize else ("fast (compressed; CPU kernel " + kernels.status() + ")"
+                                        if a.device == "cpu" else "fast (compressed)")
+    rep = {"conditions": conditions(argv, a.device, mode, sampling, models),
            "rows": rows}
     if llama_rows:
         rep["llama_cpp"] = llama_rows
