@@ -127,12 +127,14 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv(x)
         q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
-        q = qkv[:, :q_sz].view(T, self.n_heads, self.hd)
-        k = qkv[:, q_sz:q_sz + kv_sz].view(T, self.n_kv, self.hd)
         v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, positions), self.rotary(k, positions)
+            q = self.q_norm(qkv[:, :q_sz].view(T, self.n_heads, self.hd))
+            k = self.k_norm(qkv[:, q_sz:q_sz + kv_sz].view(T, self.n_kv, self.hd))
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        else:  # q and k rotated in one pass (elementwise: the same values as separately)
+            qk = self.rotary(qkv[:, :q_sz + kv_sz].view(T, self.n_heads + self.n_kv, self.hd), positions)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         keys, values, key_pos = kv.update(layer, k, v, positions)  # [KV, L, D], [KV, L, D], [L]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         if 1 < T <= ROW_BY_ROW_MAX:

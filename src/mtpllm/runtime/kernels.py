@@ -13,6 +13,7 @@ extension off.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -43,6 +44,11 @@ def _build() -> None:
     if not _cpu_has_avx2():
         _state["reason"] = "the CPU has no AVX2/FMA"
         return
+    # the `ninja` wheel installs its binary next to the interpreter: make it findable when the
+    # virtual environment is used without being activated
+    bindir = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
         with warnings.catch_warnings():

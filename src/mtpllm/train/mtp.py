@@ -313,6 +313,8 @@ class Trainer:
         V = trunk.cfg.vocab_size
         if init_g is not None:
             self.head.load_gguf(init_g, trunk.cfg.n_layers)
+            self.data_desc = (f"{data_desc}; fine-tuned from a head trained on "
+                              f"{init_g.get('mtpllm.train.data', '?')} for {init_g.get('mtpllm.train.steps', '?')} steps")
             ids = init_g.get("mtpllm.draft_vocab")
             self.vocab = torch.tensor(sorted(int(x) for x in ids)) if ids else None
         elif cfg.draft_vocab and cfg.draft_vocab < V:
