@@ -53,7 +53,7 @@ def _build() -> None:
         from torch.utils.cpp_extension import load
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(name="mtpllm_qgemv_v1", sources=[str(_SRC)], extra_cflags=_FLAGS,
+            load(name="mtpllm_qgemv_v2", sources=[str(_SRC)], extra_cflags=_FLAGS,
                  is_python_module=False, verbose=False)
         _state["op"] = torch.ops.mtpllm.q8_linear
     except Exception as e:  # no compiler, no ninja, build error: fall back with the reason

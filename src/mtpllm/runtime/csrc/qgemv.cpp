@@ -137,9 +137,16 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* ws
       const float* wsr = ws + n * ng;
       const float* wmr = MINS ? wm + n * ng : nullptr;
       int64_t m = 0;
+      // rows in tiles of up to 4 (the weight block is decoded once per tile); every row's sum is
+      // accumulated in the same order whatever its tile, so results do not depend on M
       for (; m + 4 <= M; m += 4)
         dot_rows<G, MINS, NIB, 4>(wr, wsr, wmr, xq.data() + m * K, xd.data() + m * nb, xs.data() + (MINS ? m * ng : 0), K, y + m * N + n, N);
-      for (; m < M; ++m)
+      const int64_t rest = M - m;
+      if (rest == 3)
+        dot_rows<G, MINS, NIB, 3>(wr, wsr, wmr, xq.data() + m * K, xd.data() + m * nb, xs.data() + (MINS ? m * ng : 0), K, y + m * N + n, N);
+      else if (rest == 2)
+        dot_rows<G, MINS, NIB, 2>(wr, wsr, wmr, xq.data() + m * K, xd.data() + m * nb, xs.data() + (MINS ? m * ng : 0), K, y + m * N + n, N);
+      else if (rest == 1)
         dot_rows<G, MINS, NIB, 1>(wr, wsr, wmr, xq.data() + m * K, xd.data() + m * nb, xs.data() + (MINS ? m * ng : 0), K, y + m * N + n, N);
     }
   });
