@@ -261,3 +261,17 @@ def test_block_linear_fuses_formats_and_slices_rows():
     sub = head.rows(ids)
     assert sub.kind == "blocks"
     assert torch.equal(sub(x), head(x)[:, ids])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0])
+def test_block_weights_converted_in_row_chunks_are_the_same(qtype, monkeypatch):
+    """Loading converts big tensors a few thousand rows at a time (bounded temporaries): the result
+    is identical to converting the whole tensor at once."""
+    from mtpllm.runtime import linear
+    n, k = 40, 512
+    raw = _raw(qtype, n, k, 11)
+    whole = block_weight_from_raw(raw, qtype, n, k)
+    monkeypatch.setattr(linear, "CONVERT_ROWS", 16)
+    parts = block_weight_from_raw(raw, qtype, n, k)
+    assert torch.equal(parts.codes, whole.codes) and torch.equal(parts.scales, whole.scales)
+    assert (parts.mins is None) == (whole.mins is None)

@@ -153,15 +153,38 @@ def block_weight(g: GGUFFile, name: str) -> BlockWeight:
     return block_weight_from_raw(g.raw(name), info.qtype, info.shape[0], info.shape[1], name)
 
 
+CONVERT_ROWS = 4096  # rows converted at a time: bounds the float32 temporaries of loading
+
+
 def block_weight_from_raw(raw: np.ndarray, qtype, n: int, k: int, name: str = "?") -> BlockWeight:
     """A quantized GGUF tensor in the kernel's format: the file's codes where the type maps exactly
     (the codes are recovered from the dequantized weights and the block scales, and checked),
     otherwise int8 requantized per group of 32 (symmetric, round to nearest)."""
+    if n > CONVERT_ROWS and np.ndim(raw) == 2:
+        parts = [_block_weight(raw[r:r + CONVERT_ROWS], qtype, min(CONVERT_ROWS, n - r), k, name)
+                 for r in range(0, n, CONVERT_ROWS)]
+        if len({p.fmt() for p in parts}) > 1:  # a chunk missed the exact mapping: all requantized
+            parts = [_block_weight(raw[r:r + CONVERT_ROWS], qtype, min(CONVERT_ROWS, n - r), k, name, exact=False)
+                     for r in range(0, n, CONVERT_ROWS)]
+        return BlockWeight.cat(parts)
+    return _block_weight(raw, qtype, n, k, name)
+
+
+def _block_weight(raw: np.ndarray, qtype, n: int, k: int, name: str, exact: bool = True) -> BlockWeight:
     from gguf import GGML_QUANT_SIZES
+    bsz, tsz = GGML_QUANT_SIZES[qtype]
+    if exact and qtype == QT.Q4_K and k % 256 == 0:  # codes straight from the bits (fast, exact)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 256, 144)
+        sc, mn = _k_scales_mins(b)
+        qs = b[..., 16:].reshape(n, k // 256, 4, 32)
+        c = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // 32, 2, 16)  # [n, groups, lo/hi, 16]
+        return BlockWeight((c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous(),
+                           sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), 32)
     w = dequantize(raw, qtype, (n, k), name)
     params = None
-    bsz, tsz = GGML_QUANT_SIZES[qtype]
-    if k % bsz == 0:
+    if exact and k % bsz == 0:
         with warnings.catch_warnings():  # read-only file mapping: only read here
             warnings.simplefilter("ignore", UserWarning)
             b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // bsz, tsz)
