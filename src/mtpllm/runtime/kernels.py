@@ -81,4 +81,9 @@ def status() -> str:
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
               group: int) -> torch.Tensor:
-    return _state["op"](x, codes, scales, mins, group)
+    op = _state.get("op")
+    if op is None:
+        if not available():
+            raise RuntimeError(f"the engine's CPU kernel is not available: {status()}")
+        op = _state["op"]
+    return op(x, codes, scales, mins, group)

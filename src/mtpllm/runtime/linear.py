@@ -43,24 +43,14 @@ def q4k_to_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Te
     Q4_K stores w = d*sc*q - dmin*m per group of 32. The int4 kernel computes
     w = (q - 8)*scale + zero, so scale = d*sc and zero = 8*d*sc - dmin*m: no requantization.
     """
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 256, 144)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
-    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    s = blocks[..., 4:16].to(torch.int32)  # 12 bytes of packed 6-bit scales/mins
-    # unpack as in ggml get_scale_min_k4: j<4: sc=s[j]&63, m=s[j+4]&63;
-    # j>=4: sc=(s[j+4]&15)|((s[j-4]>>6)<<4), m=(s[j+4]>>4)|((s[j]>>6)<<4)
-    sc_lo = s[..., 0:4] & 63
-    m_lo = s[..., 4:8] & 63
-    sc_hi = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
-    m_hi = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    sc = torch.cat([sc_lo, sc_hi], dim=-1).float()  # [n, nb, 8]
-    m = torch.cat([m_lo, m_hi], dim=-1).float()
+    with warnings.catch_warnings():  # read-only file mapping: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 256, 144)
+    sc, mn = _k_scales_mins(blocks)  # d*sc and dmin*m per 32 weights
     qs = blocks[..., 16:].to(torch.int32).reshape(n, k // 256, 4, 32)  # 4 chunks of 32 bytes = 64 weights
-    lo = qs & 15  # first 32 weights of the chunk
-    hi = qs >> 4  # next 32 weights
-    q = torch.stack([lo, hi], dim=3).reshape(n, k)  # [n, nb, 4, 2, 32] -> [n, k]
-    scale = (d * sc).reshape(n, k // INT4_GROUP)
-    zero = (8 * d * sc - dmin * m).reshape(n, k // INT4_GROUP)
+    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k)  # [n, nb, 4, lo/hi, 32] -> [n, k]
+    scale = sc.reshape(n, k // INT4_GROUP)
+    zero = (8 * sc - mn).reshape(n, k // INT4_GROUP)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [k/32, n, 2]
     return q, sz
 
