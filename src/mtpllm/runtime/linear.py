@@ -37,18 +37,30 @@ INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
 GEMM_MIN_ROWS = 32
 
 
+def _raw_blocks(raw: np.ndarray, n: int, n_blocks: int, block_bytes: int) -> torch.Tensor:
+    """A tensor's raw bytes as [n, n_blocks, block_bytes] uint8 (a read-only file mapping, only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, n_blocks, block_bytes)
+
+
+def _q4k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks [n, nb, 144] -> 4-bit codes [n, nb*256] (0..15): per 64-weight chunk of 32
+    bytes, the low nibbles are the first 32 weights and the high nibbles the next 32."""
+    n, nb = b.shape[:2]
+    qs = b[..., 16:].reshape(n, nb, 4, 32)
+    return torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, nb * 256)
+
+
 def q4k_to_int4(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K blocks [n, k/256*144 bytes] -> (q int32 [n, k] in 0..15, scales_and_zeros bf16 [k/32, n, 2]).
 
     Q4_K stores w = d*sc*q - dmin*m per group of 32. The int4 kernel computes
     w = (q - 8)*scale + zero, so scale = d*sc and zero = 8*d*sc - dmin*m: no requantization.
     """
-    with warnings.catch_warnings():  # read-only file mapping: only read here
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 256, 144)
+    blocks = _raw_blocks(raw, n, k // 256, 144)
     sc, mn = _k_scales_mins(blocks)  # d*sc and dmin*m per 32 weights
-    qs = blocks[..., 16:].to(torch.int32).reshape(n, k // 256, 4, 32)  # 4 chunks of 32 bytes = 64 weights
-    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k)  # [n, nb, 4, lo/hi, 32] -> [n, k]
+    q = _q4k_codes(blocks).to(torch.int32)
     scale = sc.reshape(n, k // INT4_GROUP)
     zero = (8 * sc - mn).reshape(n, k // INT4_GROUP)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [k/32, n, 2]
@@ -164,21 +176,13 @@ def _block_weight(raw: np.ndarray, qtype, n: int, k: int, name: str, exact: bool
     from gguf import GGML_QUANT_SIZES
     bsz, tsz = GGML_QUANT_SIZES[qtype]
     if exact and qtype == QT.Q4_K and k % 256 == 0:  # codes straight from the bits (fast, exact)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // 256, 144)
+        b = _raw_blocks(raw, n, k // 256, 144)
         sc, mn = _k_scales_mins(b)
-        qs = b[..., 16:].reshape(n, k // 256, 4, 32)
-        c = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // 32, 2, 16)  # [n, groups, lo/hi, 16]
+        c = _q4k_codes(b).reshape(n, k // 32, 2, 16)  # the kernel's nibble layout: j | (j + 16) << 4
         return BlockWeight((c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous(),
                            sc.reshape(n, k // 32).contiguous(), mn.reshape(n, k // 32).contiguous(), 32)
     w = dequantize(raw, qtype, (n, k), name)
-    params = None
-    if exact and k % bsz == 0:
-        with warnings.catch_warnings():  # read-only file mapping: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(n, k // bsz, tsz)
-        params = _group_params(qtype, b)
+    params = _group_params(qtype, _raw_blocks(raw, n, k // bsz, tsz)) if exact and k % bsz == 0 else None
     if params is not None:
         group, scales, mins = params
         scales = scales.reshape(n, k // group).contiguous()
@@ -189,11 +193,7 @@ def _block_weight(raw: np.ndarray, qtype, n: int, k: int, name: str, exact: bool
         q = torch.round(num / safe[..., None])
         err = (q * scales[..., None] - num).abs()
         if q.abs().max() <= 127 and bool((err <= 1e-3 * scales.abs()[..., None] + 1e-30).all()):
-            codes = q.reshape(n, k).to(torch.int8)
-            if qtype == QT.Q4_K:  # 4-bit codes 0..15: two per byte
-                c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
-                codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-            return BlockWeight(codes, scales, mins, group)
+            return BlockWeight(q.reshape(n, k).to(torch.int8), scales, mins, group)
     wg = w.reshape(n, k // 32, 32)
     scales = (wg.abs().amax(-1) / 127.0)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
