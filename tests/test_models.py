@@ -208,3 +208,32 @@ def test_yarn_beyond_the_original_context_end_to_end(tiny_dir, capsys):
     assert "warning" not in err and "prompt eval time" in err
     assert main(argv) == 0
     assert "--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_fused_decode_operators_match_pytorch(tiny_models, arch, monkeypatch):
+    """The fused CPU operators (RMS norm; q/k norm + rotary + cache write + attention in one call)
+    compute what the PyTorch formulation computes: prompt then one-token steps, logits to float32
+    rounding. (Qwen3 has q/k norms, Llama adjacent-pair rotary, Gemma 3 sliding-window layers that
+    stay on the PyTorch path.)"""
+    from mtpllm.models import layers
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    m = load_model(tiny_models[arch], "f32")
+    toks = torch.randint(0, m.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = m.make_cache(64)
+        out = [m.logits(m(toks[:33], cache))]  # 33 tokens: the prompt path (PyTorch attention)
+        out += [m.logits(m(toks[i:i + 1], cache)) for i in range(33, 40)]
+        return torch.cat(out)
+
+    fused = run()
+    monkeypatch.setattr(layers, "_fused", lambda x: False)
+    plain = run()
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    x = torch.randn(5, 64)
+    w = torch.randn(64)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6),
+                               x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)

@@ -275,3 +275,95 @@ def test_block_weights_converted_in_row_chunks_are_the_same(qtype, monkeypatch):
     parts = block_weight_from_raw(raw, qtype, n, k)
     assert torch.equal(parts.codes, whole.codes) and torch.equal(parts.scales, whole.scales)
     assert (parts.mins is None) == (whole.mins is None)
+
+
+# ------------------------------------------------------------- the kernel on the file's own blocks
+NATIVE = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def _blocks(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", NATIVE)
+def test_gguf_dequantize_is_exact(qtype):
+    """The kernel's block decoders give exactly the reference dequantization (gguf-py's formulas)."""
+    n, k = 24, 768
+    raw = _raw(qtype, n, k, 5)
+    assert torch.equal(kernels.gguf_dequantize(_blocks(raw), int(qtype), k), dequantize(raw, qtype, (n, k)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", NATIVE)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_gguf_kernel_matches_reference(qtype, m):
+    """Products straight on the file's blocks equal the int8-activation formula to float32
+    accumulation error, and the exact product within the activation-rounding bound (see
+    test_block_kernel_matches_reference). K = 800 for 32-blocks: an odd number of blocks (the
+    two-at-a-time loop's tail)."""
+    n, k = 40, (768 if qtype in K_QUANTS else 800)
+    raw = _raw(qtype, n, k, 7)
+    w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(m, k)
+    x[:, 5] *= 20
+    y = kernels.gguf_linear(x, [_blocks(raw)], [int(qtype)])
+    ref = _kernel_reference(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = x.double() @ w.double().t()
+    d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127
+    bound = d / 2 @ w.double().abs().reshape(n, k // 32, 32).sum(-1).t()
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@needs_kernel
+def test_gguf_kernel_rows_are_independent_of_batch_and_threads():
+    """Each output row depends only on its own input row (bit for bit), whatever the batch size or
+    the thread count: speculative verification equals one-token decoding."""
+    n, k = 300, 1024
+    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
+        w = _blocks(_raw(qtype, n, k, 3))
+        x = torch.randn(7, k)
+        full = kernels.gguf_linear(x, [w], [int(qtype)])
+        for i in range(7):
+            assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [int(qtype)]), full[i:i + 1])
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = kernels.gguf_linear(x, [w], [int(qtype)])
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, full)
+
+
+@needs_kernel
+def test_gguf_linear_fuses_types_and_slices_rows():
+    """q (Q5_0), k (Q4_K) and v (Q8_0) of mixed types run as one call in order; `rows` (the MTP
+    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) go through fp32 GEMM."""
+    from mtpllm.runtime.linear import GEMM_MIN_ROWS, Linear
+    k = 512
+    parts = [(t, n, _raw(t, n, k, i)) for i, (t, n) in enumerate([(QT.Q5_0, 64), (QT.Q4_K, 32), (QT.Q8_0, 32)])]
+    lin = Linear("gguf", None, torch.randn(128), in_features=k,
+                 ggufs=[(_blocks(raw), int(t)) for t, _, raw in parts])
+    assert (lin.out_features, lin.in_features) == (128, k)
+    w = torch.cat([dequantize(raw, t, (n, k)) for t, n, raw in parts])
+    assert torch.equal(lin.dequantized(), w)
+    x = torch.randn(2, k)
+    torch.testing.assert_close(lin(x), _kernel_reference(x, w) + lin.bias, rtol=1e-5, atol=1e-4)
+    xb = torch.randn(GEMM_MIN_ROWS, k)
+    torch.testing.assert_close(lin(xb), xb @ w.t() + lin.bias, rtol=1e-5, atol=1e-4)
+    head = Linear("gguf", None, None, in_features=k, ggufs=[lin.ggufs[0]])
+    ids = torch.tensor([3, 0, 17])
+    sub = head.rows(ids)
+    assert sub.kind == "gguf"
+    assert torch.equal(sub(x), head(x)[:, ids])
+
+
+@needs_kernel
+def test_gguf_kernel_rejects_mismatched_blocks():
+    """A byte count that does not match the type and K is an error, not a wild read."""
+    raw = _blocks(_raw(QT.Q8_0, 4, 256, 1))
+    with pytest.raises(RuntimeError, match="row bytes"):
+        kernels.gguf_linear(torch.randn(1, 512), [raw], [int(QT.Q8_0)])
+    with pytest.raises(RuntimeError, match="no block kernel"):
+        kernels.gguf_linear(torch.randn(1, 256), [raw], [int(QT.Q3_K)])

@@ -18,8 +18,9 @@ from torch import nn
 
 from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
+from ..runtime import kernels
 from ..runtime.kv_cache import KVCache, kv_cache_bytes
-from ..runtime.linear import Linear, make_linear
+from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, rope_inv_freq
 
@@ -53,6 +54,9 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         idx = tokens.cpu().numpy()
         rows = self.raw[idx]
+        if self.qtype in NATIVE_TYPES and kernels.available():
+            e = kernels.gguf_dequantize(torch.from_numpy(rows), int(self.qtype), self.dim).to(tokens.device)
+            return e * self.scale if self.scale != 1.0 else e
         if self.qtype == QT.F32:
             out = np.asarray(rows, dtype=np.float32)
         elif self.qtype == QT.F16:

@@ -11,9 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MtpllmError
+
+from ..runtime import kernels
+from ..runtime.kv_cache import KVCache
 from .config import ModelConfig, RopeConfig
 
 ROW_BY_ROW_MAX = 32  # blocks up to this many tokens (speculative verification) attend row by row
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Use the engine's fused CPU operators (csrc/attention.cpp): float32 on the CPU, no autograd
+    (the MTP trainer differentiates through these layers) and the kernels built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() \
+        and kernels.available()
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +36,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -126,6 +139,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv(x)
+        if T <= ROW_BY_ROW_MAX and isinstance(kv, KVCache) and not kv.span(layer) and not self.window \
+                and _fused(qkv):
+            # decoding and verification: norm, rotary, cache write and attention in one operator,
+            # each query row computed exactly as in one-token decoding
+            start = int(positions[0])
+            if start + T > kv.max_len:
+                raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
+            cos, sin = self.rotary.tables(start + T, x.device)
+            j = kv.slot[layer]
+            o = kernels.attend_cached(
+                qkv.contiguous(), cos, sin, kv.k[j], kv.v[j], start, self.n_heads, self.n_kv, self.hd,
+                self.rotary.rot_dim, self.rotary.style == "neox", self.scale or 1.0 / math.sqrt(self.hd),
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 1e-6)
+            return self.out(o)
         q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
         v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
         if self.q_norm is not None:

@@ -1,14 +1,19 @@
-"""The engine's own CPU kernels (csrc/qgemv.cpp), compiled on first use and cached.
+"""The engine's own CPU kernels (csrc/*.cpp), compiled on first use and cached.
 
-`q8_linear(x, codes, scales, mins, group)` multiplies float32 activations by block-quantized
-weights kept as the GGUF file's integers (see csrc/qgemv.cpp). The extension is built with the
-system C++ compiler through torch.utils.cpp_extension (ninja) into the torch extensions cache
-(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a model is loaded: about
-20-60 s once, then a cached load. Needs an x86-64 CPU with AVX2 and FMA.
+- `gguf_linear(x, blocks, types)`: float32 activations times weights that are the GGUF file's own
+  blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place from the file mapping
+  (csrc/gguf_blocks.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings).
+- `q8_linear(x, codes, scales, mins, group)`: the same for other types, kept as integer codes with
+  per-group scales (csrc/qgemv.cpp).
+- `rms_norm`, `attend_cached`: the small per-layer operators of decoding fused (csrc/attention.cpp).
+
+The extension is built with the system C++ compiler through torch.utils.cpp_extension (ninja) into
+the torch extensions cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a
+model is loaded: about 30-90 s once, then a cached load. Needs an x86-64 CPU with AVX2 and FMA.
 
 If it cannot be built or the CPU lacks AVX2, `available()` is False with the reason in `status()`
-and the engine falls back to PyTorch's own int8/int4 kernels (slower). MTPLLM_KERNELS=0 turns the
-extension off.
+and the engine falls back to PyTorch's own int8/int4 kernels and operators (slower).
+MTPLLM_KERNELS=0 turns the extension off.
 """
 from __future__ import annotations
 
@@ -20,8 +25,12 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "qgemv.cpp"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-DNDEBUG"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp"]
+# -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
+# the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -53,9 +62,13 @@ def _build() -> None:
         from torch.utils.cpp_extension import load
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(name="mtpllm_qgemv_v2", sources=[str(_SRC)], extra_cflags=_FLAGS,
-                 is_python_module=False, verbose=False)
+            load(name="mtpllm_cpu_v3", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                 extra_include_paths=[str(_CSRC)], extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
         _state["op"] = torch.ops.mtpllm.q8_linear
+        _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
+        _state["gguf_dequantize"] = torch.ops.mtpllm.gguf_dequantize
+        _state["rms_norm"] = torch.ops.mtpllm.rms_norm
+        _state["attend_cached"] = torch.ops.mtpllm.attend_cached
     except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
         _state["reason"] = f"could not build the CPU kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
 
@@ -81,9 +94,39 @@ def status() -> str:
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
               group: int) -> torch.Tensor:
-    op = _state.get("op")
+    return _op("op")(x, codes, scales, mins, group)
+
+
+def _op(name: str):
+    op = _state.get(name)
     if op is None:
         if not available():
             raise RuntimeError(f"the engine's CPU kernel is not available: {status()}")
-        op = _state["op"]
-    return op(x, codes, scales, mins, group)
+        op = _state[name]
+    return op
+
+
+def gguf_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """x [M, K] float32 @ W^T, W the row-wise concatenation of GGUF block matrices `weights`
+    (uint8 [N_i, row bytes], GGML type ids `types`) -> [M, sum N_i] float32."""
+    return _op("gguf_linear")(x, weights, types)
+
+
+def gguf_dequantize(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """GGUF blocks uint8 [N, row bytes] of GGML type `qtype` -> float32 [N, k]."""
+    return _op("gguf_dequantize")(w, qtype, k)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * w over the last dimension (float32, CPU)."""
+    return _op("rms_norm")(x, w, eps)
+
+
+def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                  start: int, n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Decode-time attention for T <= 32 new tokens at positions [start, start + T) (csrc/attention.cpp):
+    q/k norm and rotary on qkv [T, (H + 2 KV) * D], k/v written into the layer's caches kc/vc
+    [KV, max_len, D], causal attention over positions [0, start + t] -> [T, H * D]."""
+    return _op("attend_cached")(qkv, cos, sin, kc, vc, start, n_heads, n_kv, head_dim, rot_dim, neox, scale,
+                                q_norm, k_norm, eps)

@@ -8,7 +8,12 @@
             of the 5-6-bit types' own block steps, and perplexity is checked against the fp32 path.
   - "int4": GGUF Q4_K mapped exactly onto group-32 asymmetric int4 (see `q4k_to_int4`),
             run by `aten._weight_int4pack_mm_for_cpu` on CPU.
-  - "blocks": the engine's CPU kernel (`kernels.q8_linear`, AVX2): the file's own integer codes with
+  - "gguf":  the GGUF tensors' own bytes, read in place from the file mapping, multiplied by the
+            engine's CPU kernel (`kernels.gguf_linear`, AVX2) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
+            Q6_K: no conversion at load and no copy in memory. Activations are quantized per block
+            of 32 (int8, like llama.cpp's Q8_0); each output row is computed independently of the
+            other rows in the batch.
+  - "blocks": the engine's CPU kernel for the other quantized types (`kernels.q8_linear`, AVX2): the file's own integer codes with
             one float scale (and min) per group of 16/32 weights, so w = scale * q - min exactly as
             in the file (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q2_K, Q4_K, Q5_K, Q6_K; Q4_K codes stay
             4-bit, two per byte). Other quantized types are requantized to int8 per group of 32.
@@ -201,25 +206,48 @@ def _block_weight(raw: np.ndarray, qtype, n: int, k: int, name: str, exact: bool
     return BlockWeight(codes, scales.contiguous(), None, 32)
 
 
+# GGUF types the CPU kernel multiplies in place (GGML type ids)
+NATIVE_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def raw_tensor(raw: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's bytes [rows, row bytes] as a uint8 tensor sharing the (read-only) file mapping;
+    the engine only ever reads it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
+
+
 class Linear(torch.nn.Module):
-    """y = x @ W^T (+ b) with W stored as f32, int8 or packed int4. x: [T, K] float32 -> [T, N] float32."""
+    """y = x @ W^T (+ b), W in one of the formats above. x: [T, K] float32 -> [T, N] float32."""
 
     def __init__(self, kind: str, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
                  scales_zeros: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0,
-                 blocks: list[BlockWeight] | None = None):
+                 blocks: list[BlockWeight] | None = None,
+                 ggufs: list[tuple[torch.Tensor, int]] | None = None):
         super().__init__()
         self.kind = kind
         self.weight = weight
         self.bias = bias
         self.scales_zeros = scales_zeros
         self.blocks = blocks or []
+        self.ggufs = ggufs or []  # (uint8 [N_i, row bytes], GGML type id) per fused tensor
+        self._gw = [w for w, _ in self.ggufs]
+        self._gt = [t for _, t in self.ggufs]
         if kind == "blocks":
             out_features = sum(b.shape[0] for b in self.blocks)
             in_features = self.blocks[0].shape[1]
+        if kind == "gguf":
+            out_features = sum(w.shape[0] for w in self._gw)
         self.out_features = out_features or weight.shape[0]
         self.in_features = in_features or weight.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gguf":
+            if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
+                return F.linear(x, self.dequantized(), self.bias)
+            y = kernels.gguf_linear(x.contiguous(), self._gw, self._gt)
+            return y + self.bias if self.bias is not None else y
         if self.kind == "blocks":
             if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
                 return F.linear(x, self.dequantized(), self.bias)
@@ -249,6 +277,11 @@ class Linear(torch.nn.Module):
     def rows(self, ids: torch.Tensor) -> "Linear":
         """A Linear computing only output rows `ids` (same storage format where it can be sliced)."""
         bias = self.bias[ids] if self.bias is not None else None
+        if self.kind == "gguf":
+            if len(self.ggufs) == 1:
+                w, t = self.ggufs[0]
+                return Linear("gguf", None, bias, in_features=self.in_features, ggufs=[(w[ids].contiguous(), t)])
+            return Linear("f32", self.dequantized()[ids].contiguous(), bias)
         if self.kind == "blocks":
             if len(self.blocks) == 1:
                 return Linear("blocks", None, bias, blocks=[self.blocks[0].rows(ids)])
@@ -263,6 +296,9 @@ class Linear(torch.nn.Module):
         """The weight as float32 [N, K] (for the MTP trainer and tests)."""
         if self.kind == "f32":
             return self.weight
+        if self.kind == "gguf":
+            ws = [kernels.gguf_dequantize(w, t, self.in_features) for w, t in self.ggufs]
+            return ws[0] if len(ws) == 1 else torch.cat(ws)
         if self.kind == "blocks":
             return torch.cat([b.dequantized() for b in self.blocks]) if len(self.blocks) > 1 \
                 else self.blocks[0].dequantized()
@@ -292,14 +328,17 @@ def make_linear(g: GGUFFile, names: list[str], bias_names: list[str] | None = No
     """Build one Linear from one or more GGUF weight tensors (fused along the output dim).
 
     mode "f32": everything dequantized to float32; "fast": quantized types -> the engine's CPU kernel
-    (file codes kept) when it is available, else Q4_K -> int4 and other quantized types -> int8 per
-    output row; float types -> f32.
+    when it is available (NATIVE_TYPES: the file's blocks in place; others: file codes kept or int8
+    per 32), else Q4_K -> int4 and other quantized types -> int8 per output row; float types -> f32.
     """
     infos = [g.info(n) for n in names]
     k = infos[0].shape[1]
     bias = None
     if bias_names:
         bias = torch.cat([g.load(b).reshape(-1) for b in bias_names])
+    if mode == "fast" and all(i.qtype in NATIVE_TYPES for i in infos) and kernels.available():
+        return Linear("gguf", None, bias, in_features=k,
+                      ggufs=[(raw_tensor(g.raw(i.name)), int(i.qtype)) for i in infos])
     if mode == "fast" and k % 32 == 0 and all(i.qtype not in (QT.F32, QT.F16, QT.BF16) for i in infos) \
             and kernels.available():
         segments: list[BlockWeight] = []

@@ -1,0 +1,215 @@
+// Small fused operators for decoding on the CPU (AVX2 + FMA), replacing dozens of tiny PyTorch
+// operators per layer whose dispatch cost dominates once the matrix products are fast:
+//
+//   rms_norm(x, w, eps)                      x / rms(x) * w, row by row
+//   attend_cached(qkv, cos, sin, kc, vc, start, ...)
+//       for T <= 32 new tokens at positions [start, start + T): optional per-head RMS norm of q and
+//       k, rotary embedding (NeoX or adjacent-pair style, partial rotary), write k and v into the
+//       layer's cache at those positions, then causal attention of every query row over the keys
+//       [0, start + t] -> o [T, H * D].
+//
+// Every query row is computed by one thread from its own inputs in a fixed order, so a row gives
+// bit-identical output whether it is decoded alone or verified in a block of drafts.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+#include <vector>
+#include "common.h"
+
+namespace {
+using mtpllm::hsum;
+
+// exp(x) for x <= 0 (softmax after max subtraction): Cephes-style range reduction + polynomial,
+// relative error ~1e-7.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  x = _mm256_max_ps(x, lo);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // x - fx * ln2 in two steps for precision
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void rms_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+  const float ss = dot(x, x, n);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m256 vr = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vr), _mm256_loadu_ps(w + i)));
+  for (; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous(), "float32 inputs");
+  const int64_t n = w.numel();
+  TORCH_CHECK(x.size(-1) == n, "x's last dimension must match the weight");
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = xc.numel() / n;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
+  return y;
+}
+
+// rotate one head vector in place: NeoX pairs (i, i + rot/2) or adjacent pairs (2i, 2i + 1)
+inline void rope(float* v, const float* c, const float* s, int64_t rot, bool neox) {
+  const int64_t h = rot / 2;
+  if (neox) {
+    int64_t i = 0;
+    for (; i + 8 <= h; i += 8) {
+      const __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + h + i);
+      const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+      _mm256_storeu_ps(v + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+      _mm256_storeu_ps(v + h + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+    }
+    for (; i < h; ++i) {
+      const float x1 = v[i], x2 = v[h + i];
+      v[i] = x1 * c[i] - x2 * s[i];
+      v[h + i] = x2 * c[i] + x1 * s[i];
+    }
+  } else {
+    for (int64_t i = 0; i < h; ++i) {
+      const float x1 = v[2 * i], x2 = v[2 * i + 1];
+      v[2 * i] = x1 * c[i] - x2 * s[i];
+      v[2 * i + 1] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
+                         const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                         int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
+                         const c10::optional<at::Tensor>& k_norm, double eps) {
+  const int64_t T = qkv.size(0), D = head_dim, H = n_heads, KV = n_kv;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
+              qkv.size(1) == (H + 2 * KV) * D, "qkv: contiguous float32 [T, (H + 2 KV) * D]");
+  TORCH_CHECK(H % KV == 0 && rot_dim % 2 == 0 && rot_dim <= D, "bad head configuration");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+              vc.is_contiguous() && kc.dim() == 3 && kc.size(0) == KV && kc.size(2) == D &&
+              vc.sizes() == kc.sizes(), "caches: contiguous float32 [KV, max_len, D]");
+  const int64_t max_len = kc.size(1);
+  TORCH_CHECK(start >= 0 && start + T <= max_len, "positions beyond the cache");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) >= start + T && cos.size(1) == rot_dim / 2 &&
+              sin.sizes() == cos.sizes(), "rotary tables too short");
+  const bool has_qn = q_norm.has_value() && q_norm->defined();
+  const bool has_kn = k_norm.has_value() && k_norm->defined();
+  at::Tensor work = qkv.clone();  // q and k are normed/rotated in place
+  float* wp = work.data_ptr<float>();
+  const int64_t row = (H + 2 * KV) * D;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const float* qn = has_qn ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = has_kn ? k_norm->data_ptr<float>() : nullptr;
+  // 1. norm + rotary on q and k heads, then k and v into the cache
+  for (int64_t t = 0; t < T; ++t) {
+    float* r = wp + t * row;
+    const float* c = cp + (start + t) * (rot_dim / 2);
+    const float* s = sp + (start + t) * (rot_dim / 2);
+    for (int64_t h = 0; h < H + KV; ++h) {
+      float* v = r + h * D;
+      const float* nw = h < H ? qn : kn;
+      if (nw != nullptr) rms_row(v, nw, v, D, static_cast<float>(eps));
+      rope(v, c, s, rot_dim, neox);
+    }
+    for (int64_t g = 0; g < KV; ++g) {
+      std::memcpy(kp + (g * max_len + start + t) * D, r + (H + g) * D, D * sizeof(float));
+      std::memcpy(vp + (g * max_len + start + t) * D, r + (H + KV + g) * D, D * sizeof(float));
+    }
+  }
+  // 2. attention, one (row, head) per task
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / KV;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(start + T);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, g = h / group;
+      const float* q = wp + t * row + h * D;
+      const float* K = kp + g * max_len * D;
+      const float* V = vp + g * max_len * D;
+      const int64_t L = start + t + 1;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = dot(q, K + j * D, D) * sc;
+        mx = std::max(mx, p[j]);
+      }
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 vsum = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= L; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), vmx));
+        _mm256_storeu_ps(p.data() + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      float sum = hsum(vsum);
+      for (; j < L; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      const float inv = 1.0f / sum;
+      float* o = op + t * H * D + h * D;
+      int64_t d = 0;
+      for (; d + 32 <= D; d += 32) {  // 4 accumulators of 8 dims, keys in order
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t jj = 0; jj < L; ++jj) {
+          const __m256 w = _mm256_set1_ps(p[jj]);
+          const float* vr = V + jj * D + d;
+          a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+          a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+          a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+          a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+        }
+        const __m256 vi = _mm256_set1_ps(inv);
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(a0, vi));
+        _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(a1, vi));
+        _mm256_storeu_ps(o + d + 16, _mm256_mul_ps(a2, vi));
+        _mm256_storeu_ps(o + d + 24, _mm256_mul_ps(a3, vi));
+      }
+      for (; d < D; ++d) {
+        float a = 0.0f;
+        for (int64_t jj = 0; jj < L; ++jj) a += p[jj] * V[jj * D + d];
+        o[d] = a * inv;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("attend_cached(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int n_heads, "
+        "int n_kv, int head_dim, int rot_dim, bool neox, float scale, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("attend_cached", &attend_cached);
+}

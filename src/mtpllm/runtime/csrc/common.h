@@ -1,0 +1,62 @@
+// Helpers shared by the CPU kernels (AVX2 + FMA + F16C).
+#pragma once
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+namespace mtpllm {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  s = _mm_add_ss(s, sh);
+  return _mm_cvtss_f32(s);
+}
+
+// Quantize one row of K floats (K % 32 == 0) to int8 per 32-block (d = max|x| / 127, as llama.cpp's
+// Q8_0); d[K/32] scales; s[K/G] sums of the dequantized values per group of G = 16 or 32 (only if
+// s != nullptr).
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int64_t G) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    const float db = mx / 127.0f;
+    const float id = mx > 0.0f ? 127.0f / mx : 0.0f;
+    d[b] = db;
+    const __m256 mul = _mm256_set1_ps(id);
+    int32_t sum[2] = {0, 0};
+    for (int j = 0; j < 4; ++j) {
+      __m256i iv = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], mul),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      alignas(32) int32_t tmp[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), iv);
+      for (int t = 0; t < 8; ++t) {
+        q[b * 32 + 8 * j + t] = static_cast<int8_t>(tmp[t]);
+        sum[j / 2] += tmp[t];
+      }
+    }
+    if (s != nullptr) {
+      if (G == 32) {
+        s[b] = db * static_cast<float>(sum[0] + sum[1]);
+      } else {
+        s[2 * b] = db * static_cast<float>(sum[0]);
+        s[2 * b + 1] = db * static_cast<float>(sum[1]);
+      }
+    }
+  }
+}
+
+}  // namespace mtpllm

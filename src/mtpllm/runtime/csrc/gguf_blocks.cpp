@@ -1,0 +1,370 @@
+// Matrix products straight on GGUF blocks (AVX2 + FMA + F16C): the weights are the file's bytes,
+// read from the memory map as they are, so a matrix costs exactly its file size in memory and the
+// kernel reads as few bytes per token as the file allows.
+//
+// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
+// Each type is a decoder that turns one (super-)block into 32-weight groups: 32 integer codes
+// (signed, or unsigned with a float min per group), a float scale per 16 or 32 codes. A group
+// decoded once is multiplied against up to 4 rows of activations.
+//
+// Activations: each row of x is quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
+// Q8_0), then y[m, n] = sum over groups of d_x * scale_w * int_dot(q_x, q_w) + min_w * sum(x_hat).
+//
+// Every output is computed by one thread in a fixed order from its own row of x only, so a row's
+// result does not depend on how many rows are in the batch or on the thread count: verification of
+// k+1 tokens gives bit-identical logits to k+1 single-token steps.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <vector>
+#include "common.h"
+
+namespace {
+using mtpllm::hsum;
+using mtpllm::quantize_row;
+#ifndef PF
+#define PF 2048
+#endif
+
+// GGML type ids
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i loadu(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes -> 32 codes: the low nibbles (weights 0..15), then the high nibbles (16..31)
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (bit j -> byte j)
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+// Q4_K / Q5_K 6-bit scales and mins of the 8 groups of a super-block (ggml's get_scale_min_k4)
+inline void scales_mins_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// Decoders. `each(blk, f)` calls f(g, codes, scale, min) for the 32-weight groups g of one
+// (super-)block in order: w = scale * code + min, with `scale` an __m256 whose lanes 0-3 scale codes
+// 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K).
+struct TQ8_0 {
+  static constexpr int QK = 32, BYTES = 34;
+  static constexpr bool SIGNED = true, MIN = false;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    f(0, loadu(b + 2), _mm256_set1_ps(f16(b)), 0.0f);
+  }
+};
+// Q4_0 and Q5_0 codes are used unsigned (0..15, 0..31) with the offset (-8, -16) as a min term:
+// w = d * u - 8d. Saves the sign shuffles of a signed dot per row.
+struct TQ4_0 {
+  static constexpr int QK = 32, BYTES = 18;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const float d = f16(b);
+    f(0, nibbles32(b + 2), _mm256_set1_ps(d), -8.0f * d);
+  }
+};
+struct TQ5_0 {
+  static constexpr int QK = 32, BYTES = 22;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const float d = f16(b);
+    const __m256i hi = _mm256_and_si256(bits32(b + 2), _mm256_set1_epi8(0x10));
+    f(0, _mm256_or_si256(nibbles32(b + 6), hi), _mm256_set1_ps(d), -16.0f * d);
+  }
+};
+struct TQ4_1 {
+  static constexpr int QK = 32, BYTES = 20;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    f(0, nibbles32(b + 4), _mm256_set1_ps(f16(b)), f16(b + 2));
+  }
+};
+struct TQ5_1 {
+  static constexpr int QK = 32, BYTES = 24;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const __m256i hi = _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(0x10));
+    f(0, _mm256_or_si256(nibbles32(b + 8), hi), _mm256_set1_ps(f16(b)), f16(b + 2));
+  }
+};
+struct TQ4_K {
+  static constexpr int QK = 256, BYTES = 144;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const float d = f16(b), dmin = f16(b + 2);
+    uint8_t sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles = group 2j, high nibbles = group 2j + 1
+      const __m256i q = loadu(b + 16 + 32 * j);
+      f(2 * j, _mm256_and_si256(q, m4), _mm256_set1_ps(d * sc[2 * j]), -dmin * m[2 * j]);
+      f(2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_set1_ps(d * sc[2 * j + 1]),
+        -dmin * m[2 * j + 1]);
+    }
+  }
+};
+struct TQ5_K {
+  static constexpr int QK = 256, BYTES = 176;
+  static constexpr bool SIGNED = false, MIN = true;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const float d = f16(b), dmin = f16(b + 2);
+    uint8_t sc[8], m[8];
+    scales_mins_k4(b + 4, sc, m);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    const __m256i qh = loadu(b + 16);
+    for (int j = 0; j < 4; ++j) {  // high bits: bit 2j of qh[l] for group 2j, bit 2j + 1 for 2j + 1
+      const __m256i q = loadu(b + 48 + 32 * j);
+      const __m256i ml = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+      const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
+      const __m256i hl = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4);
+      const __m256i hh = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4);
+      f(2 * j, _mm256_or_si256(_mm256_and_si256(q, m4), hl), _mm256_set1_ps(d * sc[2 * j]), -dmin * m[2 * j]);
+      f(2 * j + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hh),
+        _mm256_set1_ps(d * sc[2 * j + 1]), -dmin * m[2 * j + 1]);
+    }
+  }
+};
+struct TQ6_K {
+  static constexpr int QK = 256, BYTES = 210;
+  static constexpr bool SIGNED = true, MIN = false;
+  template <class F> static inline void each(const uint8_t* b, F&& f) {
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {  // 128 weights: ql[64h..64h+64), qh[32h..32h+32)
+      const __m256i a = loadu(b + 64 * h), c = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
+      const int8_t* s = sc + 8 * h;
+      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+      const __m256i q2 = _mm256_or_si256(_mm256_and_si256(c, m4),
+                                         _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+      const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                                         _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+      const __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                         _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+      const __m256i qs[4] = {q1, q2, q3, q4};
+      for (int i = 0; i < 4; ++i)
+        f(4 * h + i, _mm256_sub_epi8(qs[i], c32),
+          _mm256_set_m128(_mm_set1_ps(d * s[2 * i + 1]), _mm_set1_ps(d * s[2 * i])), 0.0f);
+    }
+  }
+};
+
+struct Act {  // R consecutive quantized rows of x
+  const int8_t* q;  // [R, K]
+  const float* d;   // [R, K/32]
+  const float* s;   // [R, K/32]: d * sum of codes per block
+  int64_t K, nb;
+};
+
+// One weight row against R rows of x: out[r * os] = x_r . w. Two accumulators per row (even and
+// odd groups) keep two FMA chains in flight; the order of the sum is the same for every R.
+template <class T, int R>
+inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
+  __m256 acc[2][R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) {
+    acc[0][r] = _mm256_setzero_ps();
+    acc[1][r] = _mm256_setzero_ps();
+    mins[r] = 0.0f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t nblk = a.K / T::QK;
+  constexpr int GPB = T::QK / 32;  // groups per block
+  auto group = [&](int64_t i) {
+    return [&, i](int g, __m256i w, __m256 sw, float mn) {
+      const int64_t gb = i * GPB + g;  // activation block index
+      __m256* ac = acc[gb & 1];
+      const __m256i aw = T::SIGNED ? _mm256_sign_epi8(w, w) : w;
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + gb * 32));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, T::SIGNED ? _mm256_sign_epi8(xv, w) : xv), ones);
+        ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(a.d[r * a.nb + gb])), ac[r]);
+        if (T::MIN) mins[r] += mn * a.s[r * a.nb + gb];
+      }
+    };
+  };
+  int64_t i = 0;
+  if (T::QK == 32) {  // small blocks two at a time: the two decodes overlap
+    for (; i + 2 <= nblk; i += 2) {
+      const uint8_t* blk = row + i * T::BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
+      if (2 * T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
+      T::each(blk, group(i));
+      T::each(blk + T::BYTES, group(i + 1));
+    }
+  }
+  for (; i < nblk; ++i) {
+    const uint8_t* blk = row + i * T::BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
+    if (T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
+    if (T::BYTES > 128) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 128), _MM_HINT_T0);
+    T::each(blk, group(i));
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + mins[r];
+}
+
+template <class T>
+void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const int8_t* xq, const float* xd,
+             const float* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    int64_t m = 0;
+    // rows of x in tiles of up to 4 (a weight group is decoded once per tile); every row's sum is
+    // accumulated in the same order whatever its tile, so results do not depend on M
+    for (; m + 4 <= M; m += 4)
+      dot_row<T, 4>(wr, Act{xq + m * K, xd + m * nb, xs + m * nb, K, nb}, y + m * ldy + n, ldy);
+    const Act a{xq + m * K, xd + m * nb, xs + m * nb, K, nb};
+    switch (M - m) {
+      case 3: dot_row<T, 3>(wr, a, y + m * ldy + n, ldy); break;
+      case 2: dot_row<T, 2>(wr, a, y + m * ldy + n, ldy); break;
+      case 1: dot_row<T, 1>(wr, a, y + m * ldy + n, ldy); break;
+      default: break;
+    }
+  }
+}
+
+// Dequantize rows [n0, n1) of one matrix into y (float32, row stride K)
+template <class T>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    float* yr = y + (n - n0) * K;
+    for (int64_t i = 0; i < K / T::QK; ++i) {
+      T::each(wr + i * T::BYTES, [&](int g, __m256i q, __m256 sw, float mn) {
+        float* o = yr + i * T::QK + g * 32;
+        const __m256 vm = _mm256_set1_ps(mn);
+        const __m256 s_lo = _mm256_permute2f128_ps(sw, sw, 0x00), s_hi = _mm256_permute2f128_ps(sw, sw, 0x11);
+        for (int j = 0; j < 4; ++j) {
+          const __m128i b8 = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+          const __m128i part = (j & 1) ? _mm_srli_si128(b8, 8) : b8;
+          const __m256i i32 = T::SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+          _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), j < 2 ? s_lo : s_hi, vm));
+        }
+      });
+    }
+  }
+}
+
+struct TypeInfo {
+  int64_t qk, bytes;
+};
+
+TypeInfo type_info(int64_t t) {
+  switch (t) {
+    case Q4_0: return {TQ4_0::QK, TQ4_0::BYTES};
+    case Q4_1: return {TQ4_1::QK, TQ4_1::BYTES};
+    case Q5_0: return {TQ5_0::QK, TQ5_0::BYTES};
+    case Q5_1: return {TQ5_1::QK, TQ5_1::BYTES};
+    case Q8_0: return {TQ8_0::QK, TQ8_0::BYTES};
+    case Q4_K: return {TQ4_K::QK, TQ4_K::BYTES};
+    case Q5_K: return {TQ5_K::QK, TQ5_K::BYTES};
+    case Q6_K: return {TQ6_K::QK, TQ6_K::BYTES};
+    default: TORCH_CHECK(false, "GGML type ", t, " has no block kernel");
+  }
+}
+
+template <template <class> class Fn, class... A>
+void dispatch(int64_t t, A&&... args) {
+  switch (t) {
+    case Q4_0: Fn<TQ4_0>::run(args...); break;
+    case Q4_1: Fn<TQ4_1>::run(args...); break;
+    case Q5_0: Fn<TQ5_0>::run(args...); break;
+    case Q5_1: Fn<TQ5_1>::run(args...); break;
+    case Q8_0: Fn<TQ8_0>::run(args...); break;
+    case Q4_K: Fn<TQ4_K>::run(args...); break;
+    case Q5_K: Fn<TQ5_K>::run(args...); break;
+    case Q6_K: Fn<TQ6_K>::run(args...); break;
+    default: TORCH_CHECK(false, "GGML type ", t, " has no block kernel");
+  }
+}
+template <class T> struct RowsOf {
+  template <class... A> static void run(A... a) { rows_of<T>(a...); }
+};
+template <class T> struct DequantRows {
+  template <class... A> static void run(A... a) { dequant_rows<T>(a...); }
+};
+
+void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
+  const TypeInfo ti = type_info(t);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
+              "weights: uint8 [N, row bytes] with contiguous rows");
+  TORCH_CHECK(K % ti.qk == 0 && w.size(1) == K / ti.qk * ti.bytes, "weight row bytes do not match K = ", K,
+              " for GGML type ", t);
+}
+
+// y = x @ W^T for W = the row-wise concatenation of ws (GGUF blocks of types `types`)
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one GGML type per weight");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  std::vector<int64_t> off(ws.size() + 1, 0);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], types[i], K);
+    off[i + 1] = off[i] + ws[i].size(0);
+  }
+  const int64_t N = off.back();
+  at::Tensor y = at::empty({M, N}, x.options());
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t a = std::max(n0, off[i]), b = std::min(n1, off[i + 1]);
+      if (a >= b) continue;
+      const uint8_t* w = ws[i].data_ptr<uint8_t>();
+      dispatch<RowsOf>(types[i], w, ws[i].stride(0), a - off[i], b - off[i], (const int8_t*)xq.data(),
+                       (const float*)xd.data(), (const float*)xs.data(), M, K, yp + off[i], N);
+    }
+  });
+  return y;
+}
+
+// The float32 weights [N, K] of GGUF blocks w [N, row bytes]
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  const int64_t N = w.size(0);
+  at::Tensor y = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    dispatch<DequantRows>(type, wp, w.stride(0), n0, n1, K, yp + n0 * K);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
+  m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
+  m.def("gguf_dequantize(Tensor w, int type, int K) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+}
