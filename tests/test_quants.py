@@ -189,13 +189,14 @@ def test_block_weights_keep_the_file_codes(qtype):
 
 
 def _kernel_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: x quantized to int8 per block of 32 (d = max|x|/127,
-    round half away from zero differs from the kernel's half-to-even only on exact ties)."""
+    """What the kernel computes, in float64 after quantizing x exactly as the kernel does (float32:
+    d = max|x| / 127 per block of 32, codes = round-half-even(x * (127 / max|x|)))."""
     m, k = x.shape
-    xb = x.double().reshape(m, k // 32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xb / torch.where(d > 0, d, torch.ones_like(d)))
-    return ((q * d).reshape(m, k) @ w.double().t()).float()
+    xb = x.float().reshape(m, k // 32, 32)
+    mx = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, 127.0 / mx, torch.zeros_like(mx))
+    q = torch.round(xb * inv)
+    return ((q.double() * (mx / 127.0).double()).reshape(m, k) @ w.double().t()).float()
 
 
 @needs_kernel
@@ -305,7 +306,7 @@ def test_gguf_kernel_matches_reference(qtype, m):
     n, k = 40, (768 if qtype in K_QUANTS else 800)
     raw = _raw(qtype, n, k, 7)
     w = dequantize(raw, qtype, (n, k))
-    x = torch.randn(m, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] *= 20
     y = kernels.gguf_linear(x, [_blocks(raw)], [int(qtype)])
     ref = _kernel_reference(x, w)

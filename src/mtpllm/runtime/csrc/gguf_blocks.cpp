@@ -53,23 +53,30 @@ inline __m256i bits32(const uint8_t* p) {
   return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
 }
 
-// Q4_K / Q5_K 6-bit scales and mins of the 8 groups of a super-block (ggml's get_scale_min_k4)
-inline void scales_mins_k4(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
+// Q4_K / Q5_K: the 8 groups' 6-bit scales times d into sc[8], their mins times -dmin as a vector
+// (ggml's get_scale_min_k4 for all 8 groups at once)
+inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+  const uint32_t ua = u[1] & km1;
+  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+  u[2] = ua;
+  u[0] &= km1;
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // 8 scales, then 8 mins
+  _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
 }
 
-// Decoders. `each(blk, f)` calls f(g, codes, scale, min) for the 32-weight groups g of one
+// Decoders. `each(blk, f, fm)` calls f(g, codes, scale, min) for the 32-weight groups g of one
 // (super-)block in order: w = scale * code + min, with `scale` an __m256 whose lanes 0-3 scale codes
-// 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K).
+// 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K). Types with VMIN give
+// the mins of all 8 groups of a super-block at once, fm(__m256), before the groups (min = 0 in f).
 struct TQ8_0 {
   static constexpr int QK = 32, BYTES = 34;
-  static constexpr bool SIGNED = true, MIN = false;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
+  static constexpr bool SIGNED = true, MIN = false, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, loadu(b + 2), _mm256_set1_ps(f16(b)), 0.0f);
   }
 };
@@ -77,16 +84,16 @@ struct TQ8_0 {
 // w = d * u - 8d. Saves the sign shuffles of a signed dot per row.
 struct TQ4_0 {
   static constexpr int QK = 32, BYTES = 18;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     f(0, nibbles32(b + 2), _mm256_set1_ps(d), -8.0f * d);
   }
 };
 struct TQ5_0 {
   static constexpr int QK = 32, BYTES = 22;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     const __m256i hi = _mm256_and_si256(bits32(b + 2), _mm256_set1_epi8(0x10));
     f(0, _mm256_or_si256(nibbles32(b + 6), hi), _mm256_set1_ps(d), -16.0f * d);
@@ -94,42 +101,39 @@ struct TQ5_0 {
 };
 struct TQ4_1 {
   static constexpr int QK = 32, BYTES = 20;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, nibbles32(b + 4), _mm256_set1_ps(f16(b)), f16(b + 2));
   }
 };
 struct TQ5_1 {
   static constexpr int QK = 32, BYTES = 24;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const __m256i hi = _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(0x10));
     f(0, _mm256_or_si256(nibbles32(b + 8), hi), _mm256_set1_ps(f16(b)), f16(b + 2));
   }
 };
 struct TQ4_K {
   static constexpr int QK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
-    const float d = f16(b), dmin = f16(b + 2);
-    uint8_t sc[8], m[8];
-    scales_mins_k4(b + 4, sc, m);
+  static constexpr bool SIGNED = false, MIN = false, VMIN = true;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
+    alignas(32) float sc[8];
+    fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles = group 2j, high nibbles = group 2j + 1
       const __m256i q = loadu(b + 16 + 32 * j);
-      f(2 * j, _mm256_and_si256(q, m4), _mm256_set1_ps(d * sc[2 * j]), -dmin * m[2 * j]);
-      f(2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_set1_ps(d * sc[2 * j + 1]),
-        -dmin * m[2 * j + 1]);
+      f(2 * j, _mm256_and_si256(q, m4), _mm256_broadcast_ss(sc + 2 * j), 0.0f);
+      f(2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_broadcast_ss(sc + 2 * j + 1), 0.0f);
     }
   }
 };
 struct TQ5_K {
   static constexpr int QK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, MIN = true;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
-    const float d = f16(b), dmin = f16(b + 2);
-    uint8_t sc[8], m[8];
-    scales_mins_k4(b + 4, sc, m);
+  static constexpr bool SIGNED = false, MIN = false, VMIN = true;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
+    alignas(32) float sc[8];
+    fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     const __m256i qh = loadu(b + 16);
     for (int j = 0; j < 4; ++j) {  // high bits: bit 2j of qh[l] for group 2j, bit 2j + 1 for 2j + 1
@@ -138,22 +142,25 @@ struct TQ5_K {
       const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
       const __m256i hl = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4);
       const __m256i hh = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4);
-      f(2 * j, _mm256_or_si256(_mm256_and_si256(q, m4), hl), _mm256_set1_ps(d * sc[2 * j]), -dmin * m[2 * j]);
+      f(2 * j, _mm256_or_si256(_mm256_and_si256(q, m4), hl), _mm256_broadcast_ss(sc + 2 * j), 0.0f);
       f(2 * j + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hh),
-        _mm256_set1_ps(d * sc[2 * j + 1]), -dmin * m[2 * j + 1]);
+        _mm256_broadcast_ss(sc + 2 * j + 1), 0.0f);
     }
   }
 };
 struct TQ6_K {
   static constexpr int QK = 256, BYTES = 210;
-  static constexpr bool SIGNED = true, MIN = false;
-  template <class F> static inline void each(const uint8_t* b, F&& f) {
-    const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  static constexpr bool SIGNED = true, MIN = false, VMIN = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
+    const __m256 d = _mm256_set1_ps(f16(b + 208));
+    alignas(32) float sc[16];  // d * the 16 int8 scales
+    const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16)), d));
+    _mm256_store_ps(sc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))), d));
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {  // 128 weights: ql[64h..64h+64), qh[32h..32h+32)
       const __m256i a = loadu(b + 64 * h), c = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
-      const int8_t* s = sc + 8 * h;
+      const float* s = sc + 8 * h;
       const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
       const __m256i q2 = _mm256_or_si256(_mm256_and_si256(c, m4),
                                          _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
@@ -164,7 +171,7 @@ struct TQ6_K {
       const __m256i qs[4] = {q1, q2, q3, q4};
       for (int i = 0; i < 4; ++i)
         f(4 * h + i, _mm256_sub_epi8(qs[i], c32),
-          _mm256_set_m128(_mm_set1_ps(d * s[2 * i + 1]), _mm_set1_ps(d * s[2 * i])), 0.0f);
+          _mm256_set_m128(_mm_broadcast_ss(s + 2 * i + 1), _mm_broadcast_ss(s + 2 * i)), 0.0f);
     }
   }
 };
@@ -203,14 +210,19 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
       }
     };
   };
+  auto vmins = [&](int64_t i) {  // mins of a super-block's 8 groups, folded into the accumulators
+    return [&, i](__m256 m8) {
+      for (int r = 0; r < R; ++r) acc[0][r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.s + r * a.nb + i * 8), acc[0][r]);
+    };
+  };
   int64_t i = 0;
   if (T::QK == 32) {  // small blocks two at a time: the two decodes overlap
     for (; i + 2 <= nblk; i += 2) {
       const uint8_t* blk = row + i * T::BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
       if (2 * T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
-      T::each(blk, group(i));
-      T::each(blk + T::BYTES, group(i + 1));
+      T::each(blk, group(i), vmins(i));
+      T::each(blk + T::BYTES, group(i + 1), vmins(i + 1));
     }
   }
   for (; i < nblk; ++i) {
@@ -218,7 +230,7 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
     _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
     if (T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
     if (T::BYTES > 128) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 128), _MM_HINT_T0);
-    T::each(blk, group(i));
+    T::each(blk, group(i), vmins(i));
   }
   for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + mins[r];
 }
@@ -251,9 +263,10 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, i
     const uint8_t* wr = w + n * row_bytes;
     float* yr = y + (n - n0) * K;
     for (int64_t i = 0; i < K / T::QK; ++i) {
+      alignas(32) float m8[8];
       T::each(wr + i * T::BYTES, [&](int g, __m256i q, __m256 sw, float mn) {
         float* o = yr + i * T::QK + g * 32;
-        const __m256 vm = _mm256_set1_ps(mn);
+        const __m256 vm = _mm256_set1_ps(T::VMIN ? m8[g] : mn);
         const __m256 s_lo = _mm256_permute2f128_ps(sw, sw, 0x00), s_hi = _mm256_permute2f128_ps(sw, sw, 0x11);
         for (int j = 0; j < 4; ++j) {
           const __m128i b8 = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
@@ -261,7 +274,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, i
           const __m256i i32 = T::SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
           _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), j < 2 ? s_lo : s_hi, vm));
         }
-      });
+      }, [&](__m256 v) { _mm256_store_ps(m8, v); });
     }
   }
 }
