@@ -292,7 +292,7 @@ def test_gguf_dequantize_is_exact(qtype):
     """The kernel's block decoders give exactly the reference dequantization (gguf-py's formulas)."""
     n, k = 24, 768
     raw = _raw(qtype, n, k, 5)
-    assert torch.equal(kernels.gguf_dequantize(_blocks(raw), int(qtype), k), dequantize(raw, qtype, (n, k)))
+    assert torch.equal(kernels.gguf_dequantize([_blocks(raw)], [int(qtype)], k), dequantize(raw, qtype, (n, k)))
 
 
 @needs_kernel

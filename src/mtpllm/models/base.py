@@ -55,7 +55,7 @@ class Embedding(nn.Module):
         idx = tokens.cpu().numpy()
         rows = self.raw[idx]
         if self.qtype in NATIVE_TYPES and kernels.available():
-            e = kernels.gguf_dequantize(torch.from_numpy(rows), int(self.qtype), self.dim).to(tokens.device)
+            e = kernels.gguf_dequantize([torch.from_numpy(rows)], [int(self.qtype)], self.dim).to(tokens.device)
             return e * self.scale if self.scale != 1.0 else e
         if self.qtype == QT.F32:
             out = np.asarray(rows, dtype=np.float32)

@@ -112,9 +112,9 @@ def gguf_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) 
     return _op("gguf_linear")(x, weights, types)
 
 
-def gguf_dequantize(w: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """GGUF blocks uint8 [N, row bytes] of GGML type `qtype` -> float32 [N, k]."""
-    return _op("gguf_dequantize")(w, qtype, k)
+def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> torch.Tensor:
+    """GGUF block matrices uint8 [N_i, row bytes] of GGML types `types` -> float32 [sum N_i, k]."""
+    return _op("gguf_dequantize")(weights, types, k)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

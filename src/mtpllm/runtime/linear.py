@@ -297,8 +297,7 @@ class Linear(torch.nn.Module):
         if self.kind == "f32":
             return self.weight
         if self.kind == "gguf":
-            ws = [kernels.gguf_dequantize(w, t, self.in_features) for w, t in self.ggufs]
-            return ws[0] if len(ws) == 1 else torch.cat(ws)
+            return kernels.gguf_dequantize(self._gw, self._gt, self.in_features)
         if self.kind == "blocks":
             return torch.cat([b.dequantized() for b in self.blocks]) if len(self.blocks) > 1 \
                 else self.blocks[0].dequantized()

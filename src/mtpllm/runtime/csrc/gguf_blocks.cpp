@@ -357,15 +357,23 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   return y;
 }
 
-// The float32 weights [N, K] of GGUF blocks w [N, row bytes]
-at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
-  check_weight(w, type, K);
-  const int64_t N = w.size(0);
-  at::Tensor y = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+// The float32 weights [sum N_i, K] of the row-wise concatenation of GGUF block matrices ws
+at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) {
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one GGML type per weight");
+  std::vector<int64_t> off(ws.size() + 1, 0);
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], types[i], K);
+    off[i + 1] = off[i] + ws[i].size(0);
+  }
+  at::Tensor y = at::empty({off.back(), K}, at::TensorOptions().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    dispatch<DequantRows>(type, wp, w.stride(0), n0, n1, K, yp + n0 * K);
+  at::parallel_for(0, off.back(), 16, [&](int64_t n0, int64_t n1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t a = std::max(n0, off[i]), b = std::min(n1, off[i + 1]);
+      if (a >= b) continue;
+      dispatch<DequantRows>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), a - off[i], b - off[i], K,
+                            yp + a * K);
+    }
   });
   return y;
 }
@@ -374,7 +382,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
-  m.def("gguf_dequantize(Tensor w, int type, int K) -> Tensor");
+  m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
