@@ -226,3 +226,19 @@ def test_jsonl_records_are_documents_and_tails_are_covered(setup, tiny_dir):
     for r in recs:
         ids = eng.tokenizer.encode(r["text"], add_special=False)
         assert 32 < len(ids) < 6 * 32 and len(ids) % 32 and ids[-32:] in w  # the tail window
+
+
+def test_depth_trains_the_head_on_its_own_outputs(setup):
+    """--depth 2 adds the second draft position: the head reads its own output in place of the
+    trunk's next state, scored against the trunk's distribution one token further. The step loss
+    is the first position's loss plus the weighted second one, and training lowers both."""
+    one = _trainer(setup, "mtp-d1.gguf", 1, depth=1)
+    two = _trainer(setup, "mtp-d2.gguf", 20, depth=2, depth_weight=0.5)
+    b = two.order[:2]
+    l1, l2 = float(one.batch_loss(b).detach()), float(two.batch_loss(b).detach())
+    assert l2 > l1 * 1.2  # same initial head (same seed): the extra term is there
+    two.train(progress=None)
+    first, last = sum(two.losses[:3]) / 3, sum(two.losses[-3:]) / 3
+    assert last < 0.8 * first
+    with pytest.raises(MtpllmError, match="depth"):
+        TrainConfig(depth=0)

@@ -231,6 +231,11 @@ def cmd_train_mtp(argv: list[str]) -> int:
     ap.add_argument("--ffn", type=_nonneg_int, default=0, help="head FFN width (default: the trunk's)")
     ap.add_argument("--draft-vocab", type=_nonneg_int, default=0,
                     help="restrict drafts to the N most frequent tokens of the training text (0 = all)")
+    ap.add_argument("--depth", type=_positive_int, default=1,
+                    help="draft positions to train: 2 or 3 also trains the head on its own outputs, as it "
+                         "runs for k > 1 (each step costs about `depth` times as much)")
+    ap.add_argument("--depth-weight", type=float, default=0.5,
+                    help="weight of each further position's loss relative to the previous one")
     ap.add_argument("--feature-weight", type=float, default=1.0,
                     help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
     ap.add_argument("--init", default=None, metavar="HEAD.gguf",
@@ -252,7 +257,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
     from .train.mtp import (TrainConfig, Trainer, evaluate_head, humaneval_prompts, load_prompts, read_texts,
                             token_windows)
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
-                      draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, seed=a.seed,
+                      draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
+                      depth_weight=a.depth_weight, seed=a.seed,
                       checkpoint_every=a.checkpoint_every,
                       max_tokens=a.max_tokens)
     out = Path(a.output)

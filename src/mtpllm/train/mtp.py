@@ -207,6 +207,8 @@ class TrainConfig:
     ffn: int = 0  # 0 = trunk's FFN width
     draft_vocab: int = 0  # 0 = full vocabulary
     feature_weight: float = 1.0  # weight of the hidden-state regression term (0 = KL only)
+    depth: int = 1  # draft positions trained: 2+ also trains the head on its own outputs (recursion)
+    depth_weight: float = 0.5  # weight of each further position's loss, relative to the previous one
     seed: int = 0
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
@@ -221,6 +223,10 @@ class TrainConfig:
             raise MtpllmError(f"train-mtp: lr must be > 0, got {self.lr}")
         if not self.feature_weight >= 0:
             raise MtpllmError(f"train-mtp: feature-weight must be >= 0, got {self.feature_weight}")
+        if not 1 <= self.depth <= 8:
+            raise MtpllmError(f"train-mtp: depth must be between 1 and 8, got {self.depth}")
+        if not self.depth_weight > 0:
+            raise MtpllmError(f"train-mtp: depth-weight must be > 0, got {self.depth_weight}")
         if self.ffn < 0 or self.draft_vocab < 0:
             raise MtpllmError("train-mtp: ffn and draft-vocab must be >= 0")
 
@@ -365,27 +371,18 @@ class Trainer:
         return True
 
     # -- one step -----------------------------------------------------------------------
-    def batch_loss(self, idx: list[int]) -> torch.Tensor:
-        trunk = self.trunk
-        embs, hids, targets, nexts = [], [], [], []
-        for i in idx:
-            ids = torch.tensor(self.windows[i])
-            with torch.inference_mode():
-                h = self.hidden.get(i)  # [S, D] final-normed trunk states (cached)
-                # teacher: the trunk's distribution for token i+2 (its logits at position i+1),
-                # over the draft vocabulary (renormalized there): the same rows the head is scored on
-                logits = h[1:] @ self.head_w.t()  # [S-1, V']
-                if trunk.cfg.final_softcap:
-                    logits = torch.tanh(logits / trunk.cfg.final_softcap) * trunk.cfg.final_softcap
-                targets.append(torch.log_softmax(logits.float(), -1))
-                embs.append(trunk.embed(ids[1:]))
-                hids.append(h[:-1])
-                nexts.append(h[1:])
-        emb, hid, tgt, nxt = (torch.stack(x).clone() for x in (embs, hids, targets, nexts))
-        out = self.head(emb, hid)  # [B, S-1, D]
+    def _teacher(self, h: torch.Tensor) -> torch.Tensor:
+        """log-probabilities of the trunk's next token from its states h, over the draft vocabulary
+        (renormalized there): the same rows the head is scored on."""
+        logits = h @ self.head_w.t()
+        if self.trunk.cfg.final_softcap:
+            logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
+        return torch.log_softmax(logits.float(), -1)
+
+    def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
         logits = out @ self.head_w.t()
-        if trunk.cfg.final_softcap:
-            logits = torch.tanh(logits / trunk.cfg.final_softcap) * trunk.cfg.final_softcap
+        if self.trunk.cfg.final_softcap:
+            logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
         logp = torch.log_softmax(logits, -1)
         # KL(teacher || head), mean over positions
         kl = (tgt.exp() * (tgt - logp)).sum(-1).mean()
@@ -393,9 +390,29 @@ class Trainer:
             return kl
         # For k > 1 the head's output is fed back in place of the trunk's next hidden state, so it
         # should also BE that state, not only share its logits (EAGLE's feature regression): smooth
-        # L1 to the trunk's state at i+1, relative to that state's mean magnitude.
+        # L1 to the trunk's state, relative to that state's mean magnitude.
         scale = nxt.abs().mean().clamp_min(1e-6)
         return kl + self.cfg.feature_weight * F.smooth_l1_loss(out / scale, nxt / scale)
+
+    def batch_loss(self, idx: list[int]) -> torch.Tensor:
+        """Draft position 1: the head reads the trunk's state h_j and token t_{j+1} and is scored
+        against the trunk's distribution of t_{j+2} (its logits at j+1). Position s > 1 (depth):
+        it reads its own previous output in place of h_{j+s-1}, as in speculative decoding, with
+        token t_{j+s}, and is scored against the trunk's distribution of t_{j+s+1}."""
+        S = len(self.windows[idx[0]])
+        with torch.no_grad():  # inputs and teacher: constants of the step
+            h = torch.stack([self.hidden.get(i) for i in idx])  # [B, S, D] final-normed trunk states (cached)
+            tok = torch.stack([torch.tensor(self.windows[i]) for i in idx])
+        loss, prev, w = 0.0, h[:, :-1], 1.0
+        for s in range(1, min(self.cfg.depth, S - 2) + 1):
+            with torch.no_grad():
+                emb = torch.stack([self.trunk.embed(t[s:]) for t in tok])  # tokens t_{j+s}
+                tgt = self._teacher(h[:, s:])
+            nxt = h[:, s:]
+            out = self.head(emb, prev[:, :S - s])  # [B, S-s, D]
+            loss = loss + w * self._step_loss(out, tgt, nxt)
+            prev, w = out, w * self.cfg.depth_weight
+        return loss
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
