@@ -237,3 +237,18 @@ def test_fused_decode_operators_match_pytorch(tiny_models, arch, monkeypatch):
     w = torch.randn(64)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6),
                                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+
+
+def test_moving_a_model_moves_every_weight(tiny_models):
+    """`model.to(device)` (how Engine.load places a model on a GPU) carries the Linear weights,
+    which are plain attributes, along; the CPU-kernel formats refuse to move instead of failing
+    later. ("meta" stands in for a GPU here.)"""
+    from mtpllm.runtime.linear import Linear
+    m = load_model(tiny_models["qwen2"], "f32").to("meta")
+    lins = [mod for mod in m.modules() if isinstance(mod, Linear)]
+    assert lins and all(lin.weight.device.type == "meta" for lin in lins)
+    assert all(lin.bias is None or lin.bias.device.type == "meta" for lin in lins)
+    fast = load_model(tiny_models["qwen2"], "fast")
+    if any(mod.kind in ("gguf", "blocks") for mod in fast.modules() if isinstance(mod, Linear)):
+        with pytest.raises(RuntimeError, match="CPU kernels"):
+            fast.to("meta")

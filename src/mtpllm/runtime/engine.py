@@ -96,6 +96,10 @@ class Engine:
         t0 = time.perf_counter()
         path = resolve_model(name_or_path)
         g = GGUFFile(path)
+        if device != "cpu" and mode == "fast":
+            # the compressed formats run on the engine's CPU kernels; other devices get the weights
+            # dequantized (float32) and PyTorch's own operators
+            mode = "f32"
         model = load_model(path, mode, cfg_overrides, gguf_file=g)
         cfg = model.cfg
         n_ctx = int(n_ctx or min(cfg.ctx_len, 4096))

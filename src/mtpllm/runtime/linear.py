@@ -242,6 +242,20 @@ class Linear(torch.nn.Module):
         self.out_features = out_features or weight.shape[0]
         self.in_features = in_features or weight.shape[1]
 
+    def _apply(self, fn, recurse=True):
+        # the weights are plain attributes (uint8 blocks, packed ints): move them with the module
+        if self.kind in ("gguf", "blocks") and self.out_features:
+            probe = fn(torch.zeros(1))
+            if probe.device.type != "cpu":
+                raise RuntimeError(f"{self.kind} weights run on the CPU kernels only; load with mode 'f32' "
+                                   f"for {probe.device.type}")
+        for name in ("weight", "bias", "scales_zeros"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t) if t.is_floating_point() or name == "bias" else
+                        t.to(fn(torch.zeros(1)).device))
+        return super()._apply(fn, recurse)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gguf":
             if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
