@@ -174,3 +174,27 @@ def test_doctor_on_a_real_model_and_its_corrupted_copies(tmp_path, files):
         assert any(w in c.message for w in words), (case, c.message)
         if path != src:
             path.unlink()
+
+
+def test_doctor_weight_estimate_matches_what_loading_keeps(files):
+    """The memory check's weight estimate is what a loaded model actually holds: the file's blocks
+    for the kernel's types (mapped, not copied), float32 for float matrices and norms."""
+    from mtpllm.gguf import GGUFFile
+    from mtpllm.models import load_model
+    from mtpllm.runtime import kernels
+    from mtpllm.runtime.linear import Linear
+    from mtpllm.tools.doctor import weight_bytes_estimate
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    model = files[1]
+    m = load_model(model, "fast")
+    held = m.embed.raw.nbytes
+    for mod in m.modules():
+        if isinstance(mod, Linear):
+            held += sum(w.numel() for w, _ in mod.ggufs)
+            held += sum(b.codes.numel() + 4 * b.scales.numel() for b in mod.blocks)
+            held += 4 * mod.weight.numel() if mod.weight is not None else 0
+            held += 4 * mod.bias.numel() if mod.bias is not None else 0
+    held += sum(4 * p.numel() for p in m.parameters())  # norms
+    est = weight_bytes_estimate(GGUFFile(model), "fast")
+    assert abs(est - held) <= 0.02 * held, (est, held)

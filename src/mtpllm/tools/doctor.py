@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from ..errors import MtpllmError
 
@@ -211,17 +212,25 @@ def _rope(cfg, ctx: int, r: Report) -> list[str]:
 
 
 def weight_bytes_estimate(g, mode: str = "fast") -> int:
-    """Resident bytes of the weights after loading: compressed kernels keep Q4_K as int4 (+ scales)
-    and other quantized matrices as int8 (+ scales); the embedding stays in its file format;
-    f32 mode dequantizes every matrix to 4 bytes per weight."""
-    from gguf import GGMLQuantizationType as QT
+    """Resident bytes of the weights after loading. With the engine's CPU kernels (AVX2), matrices
+    of the types they read in place (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) and the embedding cost their
+    file size (pages of the file mapping); other quantized matrices become int8 codes with a float
+    scale per 32. Without the kernels Q4_K becomes int4 (+ scales) and other quantized matrices
+    int8 (+ a scale per row). f32 mode dequantizes every matrix to 4 bytes per weight."""
+    import os
+
+    from ..runtime import kernels
+    from ..runtime.linear import NATIVE_TYPES
+    own_kernels = os.environ.get("MTPLLM_KERNELS", "1") != "0" and kernels._cpu_has_avx2()
     total = 0
     for t in g.tensors.values():
         n = int(np.prod(t.shape)) if t.shape else 1
         if t.name == "token_embd.weight" or len(t.shape) < 2:
             total += t.n_bytes if t.name == "token_embd.weight" else 4 * n
-        elif mode == "f32":
+        elif mode == "f32" or t.qtype in (QT.F32, QT.F16, QT.BF16):
             total += 4 * n
+        elif own_kernels:
+            total += t.n_bytes if t.qtype in NATIVE_TYPES else n + n // 32 * 4
         elif t.qtype == QT.Q4_K:
             total += n // 2 + n // 32 * 8  # int4 + bf16 scale and zero per group of 32
         else:
