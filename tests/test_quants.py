@@ -188,11 +188,12 @@ def test_block_weights_keep_the_file_codes(qtype):
     assert bw.nibbles == (qtype == QT.Q4_K)
 
 
-def _kernel_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _kernel_reference(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
     """What the kernel computes, in float64 after quantizing x exactly as the kernel does (float32:
-    d = max|x| / 127 per block of 32, codes = round-half-even(x * (127 / max|x|)))."""
+    d = max|x| / 127 per block of 32, or 256 for K-quant weights, codes =
+    round-half-even(x * (127 / max|x|)))."""
     m, k = x.shape
-    xb = x.float().reshape(m, k // 32, 32)
+    xb = x.float().reshape(m, k // block, block)
     mx = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(mx > 0, 127.0 / mx, torch.zeros_like(mx))
     q = torch.round(xb * inv)
@@ -300,20 +301,23 @@ def test_gguf_dequantize_is_exact(qtype):
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_gguf_kernel_matches_reference(qtype, m):
     """Products straight on the file's blocks equal the int8-activation formula to float32
-    accumulation error, and the exact product within the activation-rounding bound (see
-    test_block_kernel_matches_reference). K = 800 for 32-blocks: an odd number of blocks (the
-    two-at-a-time loop's tail)."""
-    n, k = 40, (768 if qtype in K_QUANTS else 800)
+    accumulation error, and the exact product within the activation-rounding bound: each x moves by
+    at most half its block's step d = max|x|/127, so |error| <= sum over blocks d/2 * sum|w|.
+    Activations are quantized per 32 (llama.cpp's Q8_0), per 256 against K-quants (Q8_K: integer
+    sums over a super-block). K = 800 for 32-blocks: an odd number of blocks (the two-at-a-time
+    loop's tail)."""
+    kq = qtype in K_QUANTS
+    n, k, block = (40, 768, 256) if kq else (40, 800, 32)
     raw = _raw(qtype, n, k, 7)
     w = dequantize(raw, qtype, (n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] *= 20
     y = kernels.gguf_linear(x, [_blocks(raw)], [int(qtype)])
-    ref = _kernel_reference(x, w)
+    ref = _kernel_reference(x, w, block)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     exact = x.double() @ w.double().t()
-    d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127
-    bound = d / 2 @ w.double().abs().reshape(n, k // 32, 32).sum(-1).t()
+    d = x.double().reshape(m, k // block, block).abs().amax(-1) / 127
+    bound = d / 2 @ w.double().abs().reshape(n, k // block, block).sum(-1).t()
     assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
@@ -350,7 +354,8 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     w = torch.cat([dequantize(raw, t, (n, k)) for t, n, raw in parts])
     assert torch.equal(lin.dequantized(), w)
     x = torch.randn(2, k)
-    torch.testing.assert_close(lin(x), _kernel_reference(x, w) + lin.bias, rtol=1e-5, atol=1e-4)
+    ref = torch.cat([_kernel_reference(x, w[:64]), _kernel_reference(x, w[64:96], 256), _kernel_reference(x, w[96:])], 1)
+    torch.testing.assert_close(lin(x), ref + lin.bias, rtol=1e-5, atol=1e-4)
     xb = torch.randn(GEMM_MIN_ROWS, k)
     torch.testing.assert_close(lin(xb), xb @ w.t() + lin.bias, rtol=1e-5, atol=1e-4)
     head = Linear("gguf", None, None, in_features=k, ggufs=[lin.ggufs[0]])

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <type_traits>
 #include <vector>
 #include "common.h"
 
@@ -69,13 +70,26 @@ inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
 }
 
+// the same as bytes: 8 scales, then 8 mins
+inline __m128i scale_min_bytes_k4(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
+  const uint32_t ua = u[1] & km1;
+  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
+  u[2] = ua;
+  u[0] &= km1;
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
 // Decoders. `each(blk, f, fm)` calls f(g, codes, scale, min) for the 32-weight groups g of one
 // (super-)block in order: w = scale * code + min, with `scale` an __m256 whose lanes 0-3 scale codes
 // 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K). Types with VMIN give
 // the mins of all 8 groups of a super-block at once, fm(__m256), before the groups (min = 0 in f).
 struct TQ8_0 {
   static constexpr int QK = 32, BYTES = 34;
-  static constexpr bool SIGNED = true, MIN = false, VMIN = false;
+  static constexpr bool SIGNED = true, MIN = false, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, loadu(b + 2), _mm256_set1_ps(f16(b)), 0.0f);
   }
@@ -84,7 +98,7 @@ struct TQ8_0 {
 // w = d * u - 8d. Saves the sign shuffles of a signed dot per row.
 struct TQ4_0 {
   static constexpr int QK = 32, BYTES = 18;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     f(0, nibbles32(b + 2), _mm256_set1_ps(d), -8.0f * d);
@@ -92,7 +106,7 @@ struct TQ4_0 {
 };
 struct TQ5_0 {
   static constexpr int QK = 32, BYTES = 22;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     const __m256i hi = _mm256_and_si256(bits32(b + 2), _mm256_set1_epi8(0x10));
@@ -101,14 +115,14 @@ struct TQ5_0 {
 };
 struct TQ4_1 {
   static constexpr int QK = 32, BYTES = 20;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, nibbles32(b + 4), _mm256_set1_ps(f16(b)), f16(b + 2));
   }
 };
 struct TQ5_1 {
   static constexpr int QK = 32, BYTES = 24;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false;
+  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const __m256i hi = _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(0x10));
     f(0, _mm256_or_si256(nibbles32(b + 8), hi), _mm256_set1_ps(f16(b)), f16(b + 2));
@@ -116,7 +130,7 @@ struct TQ5_1 {
 };
 struct TQ4_K {
   static constexpr int QK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false, MIN = false, VMIN = true;
+  static constexpr bool SIGNED = false, MIN = false, VMIN = true, KQ = true;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
     alignas(32) float sc[8];
     fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
@@ -130,7 +144,7 @@ struct TQ4_K {
 };
 struct TQ5_K {
   static constexpr int QK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, MIN = false, VMIN = true;
+  static constexpr bool SIGNED = false, MIN = false, VMIN = true, KQ = true;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
     alignas(32) float sc[8];
     fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
@@ -150,7 +164,7 @@ struct TQ5_K {
 };
 struct TQ6_K {
   static constexpr int QK = 256, BYTES = 210;
-  static constexpr bool SIGNED = true, MIN = false, VMIN = false;
+  static constexpr bool SIGNED = true, MIN = false, VMIN = false, KQ = true;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const __m256 d = _mm256_set1_ps(f16(b + 208));
     alignas(32) float sc[16];  // d * the 16 int8 scales
@@ -235,23 +249,174 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
   for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + mins[r];
 }
 
+// K-quant weights against activations quantized per 256 (llama.cpp's Q8_K): the 6-bit (Q4_K,
+// Q5_K) or 8-bit (Q6_K) group scales are integers, so a super-block's 8 groups are summed in int32
+// (maddubs, then madd by the group scale) and converted to float once per super-block.
+struct ActK {  // R consecutive rows of x quantized per 256
+  const int8_t* q;    // [R, K]
+  const float* d;     // [R, K/256]
+  const float* s;     // [R, K/32]: d * sum of codes per group of 32
+  const int16_t* bs;  // [R, K/16]: sums of codes per 16
+  int64_t K;
+};
+
+template <int R, bool FIVE>  // Q4_K (144-byte blocks) or Q5_K (176, a fifth bit per weight)
+inline void kdot_q45(const uint8_t* row, const ActK& a, float* out, int64_t os) {
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const int64_t nsb = a.K / 256, nb = a.K / 32;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = row + i * BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128), _MM_HINT_T0);
+    const float d = f16(b), dmin = f16(b + 2);
+    const __m128i sm = scale_min_bytes_k4(b + 4);
+    const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                                      _mm256_set1_ps(-dmin));
+    alignas(16) uint8_t sc[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc), sm);
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+    const uint8_t* qs = b + (FIVE ? 48 : 16);
+    const __m256i qh = FIVE ? loadu(b + 16) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = loadu(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if (FIVE) {
+        const __m256i ml = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+        const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4));
+      }
+      const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = a.q + r * a.K + i * 256 + 64 * j;
+        const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), sl);
+        const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))), sh);
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a.d[r * nsb + i]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s + r * nb + i * 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r]);
+}
+
+template <int R>
+inline void kdot_q6(const uint8_t* row, const ActK& a, float* out, int64_t os) {
+  const int64_t nsb = a.K / 256;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = row + i * 210;
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 192), _MM_HINT_T0);
+    const float d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    __m256i sumi[R];
+    for (int r = 0; r < R; ++r) {
+      // codes are used unsigned (0..63): subtract 32 * sum over the 16 groups of scale * sum(x)
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs + r * (a.K / 16) + i * 16));
+      sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qa = loadu(b + 64 * h), qc = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+          _mm256_or_si256(_mm256_and_si256(qc, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qc, 4), m4),
+                          _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+      for (int k = 0; k < 4; ++k) {
+        const int g = 4 * h + k;  // 32 weights: scales sc[2g] (first 16), sc[2g + 1]
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 256 + 32 * g));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a.d[r * nsb + i]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r]);
+}
+
+template <class T, int R>
+inline void kdot(const uint8_t* row, const ActK& a, float* out, int64_t os) {
+  if constexpr (std::is_same_v<T, TQ6_K>) kdot_q6<R>(row, a, out, os);
+  else kdot_q45<R, std::is_same_v<T, TQ5_K>>(row, a, out, os);
+}
+
+// Quantize one row of K floats (K % 256 == 0) per 256: d[K/256], s[K/32] = d * sum of codes per
+// 32, bs[K/16] = sums of codes per 16
+inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs) {
+  for (int64_t i = 0; i < K / 256; ++i) {
+    const float* xb = x + i * 256;
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < 32; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(xb + 8 * j)));
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    const float db = mx / 127.0f;
+    const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+    d[i] = db;
+    for (int j = 0; j < 16; ++j) {  // 16 codes at a time
+      alignas(32) int32_t t[16];
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8 * h),
+                           _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 16 * j + 8 * h), mul),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      int32_t sum = 0;
+      for (int k = 0; k < 16; ++k) {
+        q[i * 256 + 16 * j + k] = static_cast<int8_t>(t[k]);
+        sum += t[k];
+      }
+      bs[i * 16 + j] = static_cast<int16_t>(sum);
+    }
+    for (int g = 0; g < 8; ++g) s[i * 8 + g] = db * static_cast<float>(bs[i * 16 + 2 * g] + bs[i * 16 + 2 * g + 1]);
+  }
+}
+
 template <class T>
-void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const int8_t* xq, const float* xd,
-             const float* xs, int64_t M, int64_t K, float* y, int64_t ldy) {
-  const int64_t nb = K / 32;
+void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Act& x, const ActK& xk, int64_t M,
+             float* y, int64_t ldy) {
+  const int64_t K = x.K, nb = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
-    int64_t m = 0;
     // rows of x in tiles of up to 4 (a weight group is decoded once per tile); every row's sum is
     // accumulated in the same order whatever its tile, so results do not depend on M
-    for (; m + 4 <= M; m += 4)
-      dot_row<T, 4>(wr, Act{xq + m * K, xd + m * nb, xs + m * nb, K, nb}, y + m * ldy + n, ldy);
-    const Act a{xq + m * K, xd + m * nb, xs + m * nb, K, nb};
-    switch (M - m) {
-      case 3: dot_row<T, 3>(wr, a, y + m * ldy + n, ldy); break;
-      case 2: dot_row<T, 2>(wr, a, y + m * ldy + n, ldy); break;
-      case 1: dot_row<T, 1>(wr, a, y + m * ldy + n, ldy); break;
-      default: break;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t t = std::min<int64_t>(4, M - m);
+      float* o = y + m * ldy + n;
+      if constexpr (T::KQ) {
+        const ActK a{xk.q + m * K, xk.d + m * (K / 256), xk.s + m * nb, xk.bs + m * (K / 16), K};
+        switch (t) {
+          case 4: kdot<T, 4>(wr, a, o, ldy); break;
+          case 3: kdot<T, 3>(wr, a, o, ldy); break;
+          case 2: kdot<T, 2>(wr, a, o, ldy); break;
+          default: kdot<T, 1>(wr, a, o, ldy); break;
+        }
+      } else {
+        const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, K, nb};
+        switch (t) {
+          case 4: dot_row<T, 4>(wr, a, o, ldy); break;
+          case 3: dot_row<T, 3>(wr, a, o, ldy); break;
+          case 2: dot_row<T, 2>(wr, a, o, ldy); break;
+          default: dot_row<T, 1>(wr, a, o, ldy); break;
+        }
+      }
     }
   }
 }
@@ -339,19 +504,31 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   }
   const int64_t N = off.back();
   at::Tensor y = at::empty({M, N}, x.options());
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb), xs(M * nb);
+  bool any_k = false, any_32 = false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K;
+    any_k |= k;
+    any_32 |= !k;
+  }
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+  std::vector<int8_t> xq(any_32 ? M * K : 0), kq(any_k ? M * K : 0);
+  std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
+      ks(any_k ? M * nb : 0);
+  std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
+  for (int64_t m = 0; m < M; ++m) {
+    if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+    if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
+                              kb.data() + m * K / 16);
+  }
+  const Act a{xq.data(), xd.data(), xs.data(), K, nb};
+  const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t a = std::max(n0, off[i]), b = std::min(n1, off[i + 1]);
-      if (a >= b) continue;
-      const uint8_t* w = ws[i].data_ptr<uint8_t>();
-      dispatch<RowsOf>(types[i], w, ws[i].stride(0), a - off[i], b - off[i], (const int8_t*)xq.data(),
-                       (const float*)xd.data(), (const float*)xs.data(), M, K, yp + off[i], N);
+      const int64_t lo = std::max(n0, off[i]), hi = std::min(n1, off[i + 1]);
+      if (lo >= hi) continue;
+      dispatch<RowsOf>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], a, ak, M,
+                       yp + off[i], N);
     }
   });
   return y;
