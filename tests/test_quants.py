@@ -211,11 +211,12 @@ def test_block_kernel_matches_reference(qtype, m):
     raw = _raw(qtype, n, k, 7)
     bw = block_weight_from_raw(raw, qtype, n, k)
     w = bw.dequantized()
-    x = torch.randn(m, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] *= 20  # an outlier channel, as in real activations
     y = bw.matmul(x)
     ref = _kernel_reference(x, w)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # float32 sums of 24 block terms that partly cancel: a few 1e-5 of the largest output
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=3e-5 * float(ref.abs().max()))
     exact = x.double() @ w.double().t()
     d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127  # [m, blocks]
     wsum = w.double().abs().reshape(n, k // 32, 32).sum(-1)  # [n, blocks]
