@@ -146,7 +146,9 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   float* op = out.data_ptr<float>();
   const int64_t group = H / KV;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+  // (row, head) tasks of at least ~64K multiply-adds each: short contexts run on the calling thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, (start + 1) * D));
+  at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(start + T);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H, g = h / group;

@@ -483,6 +483,10 @@ template <class T> struct DequantRows {
   template <class... A> static void run(A... a) { dequant_rows<T>(a...); }
 };
 
+// Rows per parallel task: at least ~256K multiply-adds, so small matrices (tiny models)
+// run on the calling thread instead of paying for a parallel region (costly when cores are shared)
+int64_t grain_rows(int64_t K, int64_t M) { return std::max<int64_t>(16, 262144 / std::max<int64_t>(1, K * M)); }
+
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   const TypeInfo ti = type_info(t);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
@@ -523,7 +527,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   const Act a{xq.data(), xd.data(), xs.data(), K, nb};
   const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(K, M), [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(n0, off[i]), hi = std::min(n1, off[i + 1]);
       if (lo >= hi) continue;
@@ -544,7 +548,7 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
   }
   at::Tensor y = at::empty({off.back(), K}, at::TensorOptions().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, off.back(), 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, off.back(), grain_rows(K, 1), [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t a = std::max(n0, off[i]), b = std::min(n1, off[i + 1]);
       if (a >= b) continue;
