@@ -4,6 +4,11 @@
 #include <cstdint>
 #include <cstring>
 
+// How far ahead of the weight stream the kernels prefetch, in bytes
+#ifndef PF
+#define PF 2048
+#endif
+
 namespace mtpllm {
 
 inline float hsum(__m256 v) {

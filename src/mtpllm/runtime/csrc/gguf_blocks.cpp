@@ -23,9 +23,6 @@
 namespace {
 using mtpllm::hsum;
 using mtpllm::quantize_row;
-#ifndef PF
-#define PF 2048
-#endif
 
 // GGML type ids
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
@@ -54,23 +51,8 @@ inline __m256i bits32(const uint8_t* p) {
   return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
 }
 
-// Q4_K / Q5_K: the 8 groups' 6-bit scales times d into sc[8], their mins times -dmin as a vector
-// (ggml's get_scale_min_k4 for all 8 groups at once)
-inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-  const uint32_t ua = u[1] & km1;
-  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-  u[2] = ua;
-  u[0] &= km1;
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));  // 8 scales, then 8 mins
-  _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
-}
-
-// the same as bytes: 8 scales, then 8 mins
+// Q4_K / Q5_K: the 8 groups' 6-bit scales, then their 8 mins, as bytes (ggml's get_scale_min_k4
+// for all 8 groups at once)
 inline __m128i scale_min_bytes_k4(const uint8_t* s) {
   uint32_t u[4];
   std::memcpy(u, s, 12);
@@ -81,6 +63,13 @@ inline __m128i scale_min_bytes_k4(const uint8_t* s) {
   u[2] = ua;
   u[0] &= km1;
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+}
+
+// the same as floats: scales times d into sc[8], mins times -dmin returned as a vector
+inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
+  const __m128i v = scale_min_bytes_k4(s);
+  _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
 }
 
 // Decoders. `each(blk, f, fm)` calls f(g, codes, scale, min) for the 32-weight groups g of one

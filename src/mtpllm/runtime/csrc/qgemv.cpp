@@ -20,9 +20,6 @@
 namespace {
 using mtpllm::hsum;
 using mtpllm::quantize_row;
-#ifndef PF
-#define PF 2048
-#endif
 
 // R rows of x against one weight row: the weight block is loaded once for all R rows.
 template <int G, bool MINS, bool NIB, int R>
