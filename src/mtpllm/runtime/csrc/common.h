@@ -1,6 +1,7 @@
 // Helpers shared by the CPU kernels (AVX2 + FMA + F16C).
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -21,6 +22,20 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline float hmax(__m256 v) {
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+
+// Output rows per parallel task for a matrix product of M rows of length K: at least ~256K
+// multiply-adds, so small matrices (tiny models) run on the calling thread instead of paying for a
+// parallel region (costly when cores are shared)
+inline int64_t grain_rows(int64_t K, int64_t M) {
+  return std::max<int64_t>(16, 262144 / std::max<int64_t>(1, K * M));
+}
+
 // Quantize one row of K floats (K % 32 == 0) to int8 per 32-block (d = max|x| / 127, as llama.cpp's
 // Q8_0); d[K/32] scales; s[K/G] sums of the dequantized values per group of G = 16 or 32 (only if
 // s != nullptr).
@@ -34,10 +49,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
       v[j] = _mm256_loadu_ps(xb + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[j]));
     }
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float mx = _mm_cvtss_f32(m4);
+    const float mx = hmax(amax);
     const float db = mx / 127.0f;
     const float id = mx > 0.0f ? 127.0f / mx : 0.0f;
     d[b] = db;

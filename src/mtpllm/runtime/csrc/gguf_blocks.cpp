@@ -21,6 +21,8 @@
 #include "common.h"
 
 namespace {
+using mtpllm::grain_rows;
+using mtpllm::hmax;
 using mtpllm::hsum;
 using mtpllm::quantize_row;
 
@@ -117,40 +119,52 @@ struct TQ5_1 {
     f(0, _mm256_or_si256(nibbles32(b + 8), hi), _mm256_set1_ps(f16(b)), f16(b + 2));
   }
 };
-struct TQ4_K {
-  static constexpr int QK = 256, BYTES = 144;
+// Q4_K / Q5_K: the unsigned codes of groups 2j (lo) and 2j + 1 (hi) of a super-block: per 64
+// weights 32 bytes, low nibbles then high nibbles; Q5_K adds a fifth bit, bit 2j (2j + 1) of qh[l]
+template <bool FIVE>
+inline void k45_codes(const uint8_t* b, int j, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i q = loadu(b + (FIVE ? 48 : 16) + 32 * j);
+  lo = _mm256_and_si256(q, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+  if (FIVE) {
+    const __m256i qh = loadu(b + 16), b4 = _mm256_set1_epi8(0x10);
+    const __m256i ml = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+    const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4));
+  }
+}
+
+// Q6_K: the unsigned codes (0..63) of the four 32-weight groups of half h (128 weights: ql[64h..),
+// qh[32h..)); the weight is d * scale * (code - 32)
+inline void q6_codes(const uint8_t* b, int h, __m256i q[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i a = loadu(b + 64 * h), c = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
+  q[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                         _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+}
+
+template <bool FIVE>
+struct TK45 {  // Q4_K (FIVE = false) and Q5_K
+  static constexpr int QK = 256, BYTES = FIVE ? 176 : 144;
   static constexpr bool SIGNED = false, MIN = false, VMIN = true, KQ = true;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
     alignas(32) float sc[8];
     fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles = group 2j, high nibbles = group 2j + 1
-      const __m256i q = loadu(b + 16 + 32 * j);
-      f(2 * j, _mm256_and_si256(q, m4), _mm256_broadcast_ss(sc + 2 * j), 0.0f);
-      f(2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), _mm256_broadcast_ss(sc + 2 * j + 1), 0.0f);
+    for (int j = 0; j < 4; ++j) {
+      __m256i lo, hi;
+      k45_codes<FIVE>(b, j, lo, hi);
+      f(2 * j, lo, _mm256_broadcast_ss(sc + 2 * j), 0.0f);
+      f(2 * j + 1, hi, _mm256_broadcast_ss(sc + 2 * j + 1), 0.0f);
     }
   }
 };
-struct TQ5_K {
-  static constexpr int QK = 256, BYTES = 176;
-  static constexpr bool SIGNED = false, MIN = false, VMIN = true, KQ = true;
-  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&& fm) {
-    alignas(32) float sc[8];
-    fm(scales_mins_k4(b + 4, f16(b), f16(b + 2), sc));
-    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
-    const __m256i qh = loadu(b + 16);
-    for (int j = 0; j < 4; ++j) {  // high bits: bit 2j of qh[l] for group 2j, bit 2j + 1 for 2j + 1
-      const __m256i q = loadu(b + 48 + 32 * j);
-      const __m256i ml = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
-      const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
-      const __m256i hl = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4);
-      const __m256i hh = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4);
-      f(2 * j, _mm256_or_si256(_mm256_and_si256(q, m4), hl), _mm256_broadcast_ss(sc + 2 * j), 0.0f);
-      f(2 * j + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), hh),
-        _mm256_broadcast_ss(sc + 2 * j + 1), 0.0f);
-    }
-  }
-};
+using TQ4_K = TK45<false>;
+using TQ5_K = TK45<true>;
 struct TQ6_K {
   static constexpr int QK = 256, BYTES = 210;
   static constexpr bool SIGNED = true, MIN = false, VMIN = false, KQ = true;
@@ -160,20 +174,12 @@ struct TQ6_K {
     const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
     _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s16)), d));
     _mm256_store_ps(sc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8))), d));
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; ++h) {  // 128 weights: ql[64h..64h+64), qh[32h..32h+32)
-      const __m256i a = loadu(b + 64 * h), c = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[4];
+      q6_codes(b, h, q);
       const float* s = sc + 8 * h;
-      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
-      const __m256i q2 = _mm256_or_si256(_mm256_and_si256(c, m4),
-                                         _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
-      const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
-                                         _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
-      const __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
-                                         _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
-      const __m256i qs[4] = {q1, q2, q3, q4};
       for (int i = 0; i < 4; ++i)
-        f(4 * h + i, _mm256_sub_epi8(qs[i], c32),
+        f(4 * h + i, _mm256_sub_epi8(q[i], _mm256_set1_epi8(32)),
           _mm256_set_m128(_mm_broadcast_ss(s + 2 * i + 1), _mm_broadcast_ss(s + 2 * i)), 0.0f);
     }
   }
@@ -186,10 +192,12 @@ struct Act {  // R consecutive quantized rows of x
   int64_t K, nb;
 };
 
-// One weight row against R rows of x: out[r * os] = x_r . w. Two accumulators per row (even and
-// odd groups) keep two FMA chains in flight; the order of the sum is the same for every R.
+// One weight row of a 32-weight block type against R rows of x: out[r * os] = x_r . w. Two
+// accumulators per row (even and odd blocks) keep two FMA chains in flight; the order of the sum is
+// the same for every R. (K-quants take `kdot` below.)
 template <class T, int R>
 inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
+  static_assert(T::QK == 32 && !T::VMIN, "32-weight block types only");
   __m256 acc[2][R];
   float mins[R];
   for (int r = 0; r < R; ++r) {
@@ -198,43 +206,29 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
     mins[r] = 0.0f;
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t nblk = a.K / T::QK;
-  constexpr int GPB = T::QK / 32;  // groups per block
-  auto group = [&](int64_t i) {
-    return [&, i](int g, __m256i w, __m256 sw, float mn) {
-      const int64_t gb = i * GPB + g;  // activation block index
-      __m256* ac = acc[gb & 1];
+  const int64_t nblk = a.K / 32;
+  auto block = [&](int64_t i) {  // block i of the row against activation block i
+    return [&, i](int, __m256i w, __m256 sw, float mn) {
+      __m256* ac = acc[i & 1];
       const __m256i aw = T::SIGNED ? _mm256_sign_epi8(w, w) : w;
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + gb * 32));
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 32));
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, T::SIGNED ? _mm256_sign_epi8(xv, w) : xv), ones);
-        ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(a.d[r * a.nb + gb])), ac[r]);
-        if (T::MIN) mins[r] += mn * a.s[r * a.nb + gb];
+        ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(a.d[r * a.nb + i])), ac[r]);
+        if (T::MIN) mins[r] += mn * a.s[r * a.nb + i];
       }
     };
   };
-  auto vmins = [&](int64_t i) {  // mins of a super-block's 8 groups, folded into the accumulators
-    return [&, i](__m256 m8) {
-      for (int r = 0; r < R; ++r) acc[0][r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(a.s + r * a.nb + i * 8), acc[0][r]);
-    };
-  };
+  auto none = [](__m256) {};
   int64_t i = 0;
-  if (T::QK == 32) {  // small blocks two at a time: the two decodes overlap
-    for (; i + 2 <= nblk; i += 2) {
-      const uint8_t* blk = row + i * T::BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
-      if (2 * T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
-      T::each(blk, group(i), vmins(i));
-      T::each(blk + T::BYTES, group(i + 1), vmins(i + 1));
-    }
-  }
-  for (; i < nblk; ++i) {
+  for (; i + 2 <= nblk; i += 2) {  // two blocks at a time: the two decodes overlap
     const uint8_t* blk = row + i * T::BYTES;
     _mm_prefetch(reinterpret_cast<const char*>(blk + PF), _MM_HINT_T0);
-    if (T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
-    if (T::BYTES > 128) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 128), _MM_HINT_T0);
-    T::each(blk, group(i), vmins(i));
+    if (2 * T::BYTES > 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + 64), _MM_HINT_T0);
+    T::each(blk, block(i), none);
+    T::each(blk + T::BYTES, block(i + 1), none);
   }
+  if (i < nblk) T::each(row + i * T::BYTES, block(i), none);
   for (int r = 0; r < R; ++r) out[r * os] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + mins[r];
 }
 
@@ -249,13 +243,12 @@ struct ActK {  // R consecutive rows of x quantized per 256
   int64_t K;
 };
 
-template <int R, bool FIVE>  // Q4_K (144-byte blocks) or Q5_K (176, a fifth bit per weight)
+template <int R, bool FIVE>  // Q4_K or Q5_K
 inline void kdot_q45(const uint8_t* row, const ActK& a, float* out, int64_t os) {
-  constexpr int BYTES = FIVE ? 176 : 144;
+  constexpr int BYTES = TK45<FIVE>::BYTES;
   const int64_t nsb = a.K / 256, nb = a.K / 32;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = row + i * BYTES;
     _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
@@ -269,17 +262,9 @@ inline void kdot_q45(const uint8_t* row, const ActK& a, float* out, int64_t os) 
     _mm_store_si128(reinterpret_cast<__m128i*>(sc), sm);
     __m256i sumi[R];
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    const uint8_t* qs = b + (FIVE ? 48 : 16);
-    const __m256i qh = FIVE ? loadu(b + 16) : _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
-      const __m256i q = loadu(qs + 32 * j);
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if (FIVE) {
-        const __m256i ml = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
-        const __m256i mh = _mm256_set1_epi8(static_cast<char>(1 << (2 * j + 1)));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, ml), ml), b4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mh), mh), b4));
-      }
+      __m256i lo, hi;
+      k45_codes<FIVE>(b, j, lo, hi);
       const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a.q + r * a.K + i * 256 + 64 * j;
@@ -301,7 +286,6 @@ inline void kdot_q6(const uint8_t* row, const ActK& a, float* out, int64_t os) {
   const int64_t nsb = a.K / 256;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = row + i * 210;
     _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
@@ -318,13 +302,8 @@ inline void kdot_q6(const uint8_t* row, const ActK& a, float* out, int64_t os) {
       sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256i qa = loadu(b + 64 * h), qc = loadu(b + 64 * h + 32), qh = loadu(b + 128 + 32 * h);
-      const __m256i q[4] = {
-          _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-          _mm256_or_si256(_mm256_and_si256(qc, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qc, 4), m4),
-                          _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2))};
+      __m256i q[4];
+      q6_codes(b, h, q);
       for (int k = 0; k < 4; ++k) {
         const int g = 4 * h + k;  // 32 weights: scales sc[2g] (first 16), sc[2g + 1]
         const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
@@ -354,10 +333,7 @@ inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float
     __m256 amax = _mm256_setzero_ps();
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     for (int j = 0; j < 32; ++j) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, _mm256_loadu_ps(xb + 8 * j)));
-    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float mx = _mm_cvtss_f32(m4);
+    const float mx = hmax(amax);
     const float db = mx / 127.0f;
     const __m256 mul = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
     d[i] = db;
@@ -471,10 +447,6 @@ template <class T> struct RowsOf {
 template <class T> struct DequantRows {
   template <class... A> static void run(A... a) { dequant_rows<T>(a...); }
 };
-
-// Rows per parallel task: at least ~256K multiply-adds, so small matrices (tiny models)
-// run on the calling thread instead of paying for a parallel region (costly when cores are shared)
-int64_t grain_rows(int64_t K, int64_t M) { return std::max<int64_t>(16, 262144 / std::max<int64_t>(1, K * M)); }
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   const TypeInfo ti = type_info(t);

@@ -78,7 +78,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* ws
   for (int64_t m = 0; m < M; ++m) {
     quantize_row(x + m * K, K, xq.data() + m * K, xd.data() + m * nb, MINS ? xs.data() + m * ng : nullptr, G);
   }
-  at::parallel_for(0, N, std::max<int64_t>(16, 262144 / std::max<int64_t>(1, K * M)), [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, mtpllm::grain_rows(K, M), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wr = w + n * (NIB ? K / 2 : K);
       const float* wsr = ws + n * ng;
