@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MtpllmError
-
 from ..runtime import kernels
 from ..runtime.kv_cache import KVCache
 from .config import ModelConfig, RopeConfig

@@ -46,12 +46,24 @@ def _cpu_has_avx2() -> bool:
     return " avx2 " in flags and " fma " in flags
 
 
-def _build() -> None:
+def _unsupported() -> str | None:
+    """Why the kernels cannot be used here without trying to build them, or None."""
     if os.environ.get("MTPLLM_KERNELS", "1") == "0":
-        _state["reason"] = "disabled by MTPLLM_KERNELS=0"
-        return
+        return "disabled by MTPLLM_KERNELS=0"
     if not _cpu_has_avx2():
-        _state["reason"] = "the CPU has no AVX2/FMA"
+        return "the CPU has no AVX2/FMA"
+    return None
+
+
+def expected() -> bool:
+    """Whether the kernels should be used on this machine (cheap: does not build them)."""
+    return _unsupported() is None
+
+
+def _build() -> None:
+    reason = _unsupported()
+    if reason:
+        _state["reason"] = reason
         return
     # the `ninja` wheel installs its binary next to the interpreter: make it findable when the
     # virtual environment is used without being activated

@@ -10,9 +10,9 @@
             run by `aten._weight_int4pack_mm_for_cpu` on CPU.
   - "gguf":  the GGUF tensors' own bytes, read in place from the file mapping, multiplied by the
             engine's CPU kernel (`kernels.gguf_linear`, AVX2) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
-            Q6_K: no conversion at load and no copy in memory. Activations are quantized per block
-            of 32 (int8, like llama.cpp's Q8_0); each output row is computed independently of the
-            other rows in the batch.
+            Q6_K: no conversion at load and no copy in memory. Activations are quantized to int8 per
+            block of 32 (llama.cpp's Q8_0), per 256 against K-quants (Q8_K); each output row is
+            computed independently of the other rows in the batch.
   - "blocks": the engine's CPU kernel for the other quantized types (`kernels.q8_linear`, AVX2): the file's own integer codes with
             one float scale (and min) per group of 16/32 weights, so w = scale * q - min exactly as
             in the file (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q2_K, Q4_K, Q5_K, Q6_K; Q4_K codes stay
@@ -244,27 +244,24 @@ class Linear(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # the weights are plain attributes (uint8 blocks, packed ints): move them with the module
-        if self.kind in ("gguf", "blocks") and self.out_features:
-            probe = fn(torch.zeros(1))
-            if probe.device.type != "cpu":
-                raise RuntimeError(f"{self.kind} weights run on the CPU kernels only; load with mode 'f32' "
-                                   f"for {probe.device.type}")
+        device = fn(torch.zeros(1)).device
+        if self.kind in ("gguf", "blocks") and device.type != "cpu":
+            raise RuntimeError(f"{self.kind} weights run on the CPU kernels only; load with mode 'f32' "
+                               f"for {device.type}")
         for name in ("weight", "bias", "scales_zeros"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, fn(t) if t.is_floating_point() or name == "bias" else
-                        t.to(fn(torch.zeros(1)).device))
+                setattr(self, name, fn(t) if t.is_floating_point() or name == "bias" else t.to(device))
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind in ("gguf", "blocks") and x.shape[0] >= GEMM_MIN_ROWS:
+            # prompt chunks: compute-bound, the fp32 GEMM on the file's exact weights is faster
+            return F.linear(x, self.dequantized(), self.bias)
         if self.kind == "gguf":
-            if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
-                return F.linear(x, self.dequantized(), self.bias)
             y = kernels.gguf_linear(x.contiguous(), self._gw, self._gt)
             return y + self.bias if self.bias is not None else y
         if self.kind == "blocks":
-            if x.shape[0] >= GEMM_MIN_ROWS:  # prompt chunks: compute-bound, the fp32 GEMM is faster
-                return F.linear(x, self.dequantized(), self.bias)
             x = x.contiguous()
             ys = [b.matmul(x) for b in self.blocks]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)

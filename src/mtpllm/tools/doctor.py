@@ -217,11 +217,9 @@ def weight_bytes_estimate(g, mode: str = "fast") -> int:
     file size (pages of the file mapping); other quantized matrices become int8 codes with a float
     scale per 32. Without the kernels Q4_K becomes int4 (+ scales) and other quantized matrices
     int8 (+ a scale per row). f32 mode dequantizes every matrix to 4 bytes per weight."""
-    import os
-
     from ..runtime import kernels
     from ..runtime.linear import NATIVE_TYPES
-    own_kernels = os.environ.get("MTPLLM_KERNELS", "1") != "0" and kernels._cpu_has_avx2()
+    own_kernels = kernels.expected()
     total = 0
     for t in g.tensors.values():
         n = int(np.prod(t.shape)) if t.shape else 1

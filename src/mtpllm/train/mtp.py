@@ -371,19 +371,16 @@ class Trainer:
         return True
 
     # -- one step -----------------------------------------------------------------------
-    def _teacher(self, h: torch.Tensor) -> torch.Tensor:
-        """log-probabilities of the trunk's next token from its states h, over the draft vocabulary
-        (renormalized there): the same rows the head is scored on."""
+    def _logp(self, h: torch.Tensor) -> torch.Tensor:
+        """log-probabilities of the next token from normed states h (the trunk's, or the head's
+        output) through the frozen lm_head, over the draft vocabulary (renormalized there)."""
         logits = h @ self.head_w.t()
         if self.trunk.cfg.final_softcap:
             logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
         return torch.log_softmax(logits.float(), -1)
 
     def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
-        logits = out @ self.head_w.t()
-        if self.trunk.cfg.final_softcap:
-            logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
-        logp = torch.log_softmax(logits, -1)
+        logp = self._logp(out)
         # KL(teacher || head), mean over positions
         kl = (tgt.exp() * (tgt - logp)).sum(-1).mean()
         if not self.cfg.feature_weight:
@@ -407,7 +404,7 @@ class Trainer:
         for s in range(1, min(self.cfg.depth, S - 2) + 1):
             with torch.no_grad():
                 emb = torch.stack([self.trunk.embed(t[s:]) for t in tok])  # tokens t_{j+s}
-                tgt = self._teacher(h[:, s:])
+                tgt = self._logp(h[:, s:])  # the teacher
             nxt = h[:, s:]
             out = self.head(emb, prev[:, :S - s])  # [B, S-s, D]
             loss = loss + w * self._step_loss(out, tgt, nxt)
