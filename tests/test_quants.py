@@ -343,9 +343,31 @@ def test_gguf_kernel_rows_are_independent_of_batch_and_threads():
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K])
+def test_kquant_prompt_chunks_stay_on_the_kernel_row_for_row(qtype):
+    """K-quant matrices run prompt chunks (32+ rows) on the integer kernel too, in tiles of weight
+    rows x activation rows swept over chunks of K: every row equals its one-row product bit for bit
+    (odd N and M exercise the tile remainders, K = 17 super-blocks spans two K chunks), and the
+    result is the exact product within the activation-rounding bound."""
+    from mtpllm.runtime.linear import GEMM_MIN_ROWS, Linear
+    n, k, m = 35, 17 * 256, GEMM_MIN_ROWS + 5
+    raw = _raw(qtype, n, k, 11)
+    lin = Linear("gguf", None, None, in_features=k, ggufs=[(_blocks(raw), int(qtype))])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    y = lin(x)
+    for i in (0, 3, 4, 17, m - 1):
+        assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), lin._gw, lin._gt), y[i:i + 1])
+    w = dequantize(raw, qtype, (n, k)).double()
+    d = x.double().reshape(m, k // 256, 256).abs().amax(-1) / 127
+    bound = d / 2 @ w.abs().reshape(n, k // 256, 256).sum(-1).t()
+    assert ((y.double() - x.double() @ w.t()).abs() <= bound * (1 + 1e-4) + 1e-4).all()
+
+
+@needs_kernel
 def test_gguf_linear_fuses_types_and_slices_rows():
     """q (Q5_0), k (Q4_K) and v (Q8_0) of mixed types run as one call in order; `rows` (the MTP
-    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) go through fp32 GEMM."""
+    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) of a matrix with 32-weight
+    blocks go through the fp32 GEMM."""
     from mtpllm.runtime.linear import GEMM_MIN_ROWS, Linear
     k = 512
     parts = [(t, n, _raw(t, n, k, i)) for i, (t, n) in enumerate([(QT.Q5_0, 64), (QT.Q4_K, 32), (QT.Q8_0, 32)])]

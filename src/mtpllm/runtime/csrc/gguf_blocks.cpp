@@ -194,7 +194,7 @@ struct Act {  // R consecutive quantized rows of x
 
 // One weight row of a 32-weight block type against R rows of x: out[r * os] = x_r . w. Two
 // accumulators per row (even and odd blocks) keep two FMA chains in flight; the order of the sum is
-// the same for every R. (K-quants take `kdot` below.)
+// the same for every R. (K-quants take `ktile` below.)
 template <class T, int R>
 inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
   static_assert(T::QK == 32 && !T::VMIN, "32-weight block types only");
@@ -243,86 +243,104 @@ struct ActK {  // R consecutive rows of x quantized per 256
   int64_t K;
 };
 
-template <int R, bool FIVE>  // Q4_K or Q5_K
-inline void kdot_q45(const uint8_t* row, const ActK& a, float* out, int64_t os) {
-  constexpr int BYTES = TK45<FIVE>::BYTES;
-  const int64_t nsb = a.K / 256, nb = a.K / 32;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nsb; ++i) {
-    const uint8_t* b = row + i * BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128), _MM_HINT_T0);
-    const float d = f16(b), dmin = f16(b + 2);
-    const __m128i sm = scale_min_bytes_k4(b + 4);
-    const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
-                                      _mm256_set1_ps(-dmin));
-    alignas(16) uint8_t sc[16];
-    _mm_store_si128(reinterpret_cast<__m128i*>(sc), sm);
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m256i lo, hi;
-      k45_codes<FIVE>(b, j, lo, hi);
-      const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = a.q + r * a.K + i * 256 + 64 * j;
-        const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), sl);
-        const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))), sh);
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+// One super-block of a weight row, ready for integer products: the codes of group g (32 weights),
+// the int16 scale vector multiplying them (per 16 lanes of the maddubs output), the integer start of
+// the super-block's sum and its conversion to float.
+template <bool FIVE>
+struct SbK45 {  // Q4_K or Q5_K
+  static constexpr int BYTES = TK45<FIVE>::BYTES;
+  const uint8_t* b;
+  __m256i s16;  // the 8 group scales as int16, in both 128-bit lanes
+  __m256 mins;  // -dmin * the 8 group mins
+  float d;
+  void load(const uint8_t* p) {
+    b = p;
+    d = f16(p);
+    const __m128i sm = scale_min_bytes_k4(p + 4);
+    s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))), _mm256_set1_ps(-f16(p + 2)));
+  }
+  __m256i code(int g) const {
+    __m256i lo, hi;
+    k45_codes<FIVE>(b, g >> 1, lo, hi);
+    return (g & 1) ? hi : lo;
+  }
+  __m256i scale(int g) const {
+    return _mm256_shuffle_epi8(s16, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * g)));
+  }
+  __m256i start(const ActK&, int64_t, int64_t) const { return _mm256_setzero_si256(); }
+  void finish(__m256& acc, __m256i sumi, const ActK& a, int64_t r, int64_t i) const {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * a.d[r * (a.K / 256) + i]), acc);
+    acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s + r * (a.K / 32) + i * 8), acc);
+  }
+};
+
+struct SbQ6 {  // Q6_K: codes used unsigned (0..63), 32 * sum(scale * sum(x)) subtracted at the start
+  static constexpr int BYTES = TQ6_K::BYTES;
+  const uint8_t* b;
+  __m256i sc16;    // the 16 scales as int16
+  __m256i lo, hi;  // scales 0-7 / 8-15 in both lanes
+  float d;
+  void load(const uint8_t* p) {
+    b = p;
+    d = f16(p + 208);
+    sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+    lo = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+    hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+  }
+  __m256i code(int g) const {
+    __m256i q[4];
+    q6_codes(b, g >> 2, q);
+    return q[g & 3];
+  }
+  __m256i scale(int g) const {  // scale 2g for the first 16 weights, 2g + 1 for the next 16
+    const int i0 = (2 * g) & 7, i1 = (2 * g + 1) & 7;
+    const __m256i m = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(0x0100 * (2 * i1 + 1) + 2 * i1)),
+                                       _mm_set1_epi16(static_cast<int16_t>(0x0100 * (2 * i0 + 1) + 2 * i0)));
+    return _mm256_shuffle_epi8(g < 4 ? lo : hi, m);
+  }
+  __m256i start(const ActK& a, int64_t r, int64_t i) const {
+    const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs + r * (a.K / 16) + i * 16));
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+  }
+  void finish(__m256& acc, __m256i sumi, const ActK& a, int64_t r, int64_t i) const {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * a.d[r * (a.K / 256) + i]), acc);
+  }
+};
+
+template <class T> struct SbOf;
+template <> struct SbOf<TQ4_K> { using type = SbK45<false>; };
+template <> struct SbOf<TQ5_K> { using type = SbK45<true>; };
+template <> struct SbOf<TQ6_K> { using type = SbQ6; };
+
+// One weight row against RM activation rows over super-blocks [i0, i1): acc[r] += the float
+// partial sums (8 lanes) of row r of x. Each row's sum is the int32 sum of a super-block's groups,
+// converted once per super-block, in super-block order: the same operations whatever RM and the
+// blocking, so results do not depend on the batch. (One weight row per tile: measured faster on
+// AVX2 than 2 x 4, whose accumulators leave no registers for the codes and scales.)
+template <class S, int RM>
+inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m256* acc) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint8_t* b = row + i * S::BYTES;
+    for (int o = 0; o < S::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    S sb;
+    sb.load(b);
+    __m256i sumi[RM];
+    for (int r = 0; r < RM; ++r) sumi[r] = sb.start(a, r, i);
+    const int8_t* x = a.q + i * 256;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {  // unrolled: the group's code and scale selection fold to constants
+      const __m256i w = sb.code(g), sc = sb.scale(g);
+      for (int r = 0; r < RM; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * a.K + 32 * g));
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc));
+        // keep each sum in its register: otherwise the compiler reassociates the integer sums into
+        // a tree and spills every product to the stack
+        __asm__("" : "+x"(sumi[r]));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a.d[r * nsb + i]), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s + r * nb + i * 8), acc[r]);
-    }
+    for (int r = 0; r < RM; ++r) sb.finish(acc[r], sumi[r], a, r, i);
   }
-  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r]);
-}
-
-template <int R>
-inline void kdot_q6(const uint8_t* row, const ActK& a, float* out, int64_t os) {
-  const int64_t nsb = a.K / 256;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nsb; ++i) {
-    const uint8_t* b = row + i * 210;
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(b + PF + 192), _MM_HINT_T0);
-    const float d = f16(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-    __m256i sumi[R];
-    for (int r = 0; r < R; ++r) {
-      // codes are used unsigned (0..63): subtract 32 * sum over the 16 groups of scale * sum(x)
-      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bs + r * (a.K / 16) + i * 16));
-      sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
-    }
-    for (int h = 0; h < 2; ++h) {
-      __m256i q[4];
-      q6_codes(b, h, q);
-      for (int k = 0; k < 4; ++k) {
-        const int g = 4 * h + k;  // 32 weights: scales sc[2g] (first 16), sc[2g + 1]
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 256 + 32 * g));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), s));
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a.d[r * nsb + i]), acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r]);
-}
-
-template <class T, int R>
-inline void kdot(const uint8_t* row, const ActK& a, float* out, int64_t os) {
-  if constexpr (std::is_same_v<T, TQ6_K>) kdot_q6<R>(row, a, out, os);
-  else kdot_q45<R, std::is_same_v<T, TQ5_K>>(row, a, out, os);
 }
 
 // Quantize one row of K floats (K % 256 == 0) per 256: d[K/256], s[K/32] = d * sum of codes per
@@ -354,26 +372,58 @@ inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float
   }
 }
 
+// K-quant rows [n0, n1) of W against the M rows of x, in tiles of one weight row x KRM activation
+// rows; blocks of KNB weight rows are swept by every tile of x, in chunks of KKC super-blocks so
+// that the tile of x (KRM * KKC * 256 bytes) stays in L1 while the block's rows pass over it.
+constexpr int KRM = 8, KNB = 16, KKC = 8;
+
+template <class S, int RM = KRM>
+inline void ktile_rm(int rm, const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m256* acc) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return ktile_rm<S, RM - 1>(rm, row, a, i0, i1, acc);
+  }
+  ktile<S, RM>(row, a, i0, i1, acc);
+}
+
+template <class T>
+void krows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
+              int64_t ldy) {
+  using S = typename SbOf<T>::type;
+  const int64_t K = xk.K, nsb = K / 256;
+  for (int64_t nb0 = n0; nb0 < n1; nb0 += KNB) {
+    const int64_t nb1 = std::min(nb0 + KNB, n1);
+    for (int64_t m = 0; m < M; m += KRM) {
+      const int rm = static_cast<int>(std::min<int64_t>(KRM, M - m));
+      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), K};
+      __m256 acc[KNB * KRM];
+      for (auto& v : acc) v = _mm256_setzero_ps();
+      // one tile of x (decoding, verification): each weight row is streamed whole, as the
+      // prefetch ahead of it expects
+      const int64_t kc = M <= KRM ? nsb : KKC;
+      for (int64_t i0 = 0; i0 < nsb; i0 += kc)
+        for (int64_t n = nb0; n < nb1; ++n)
+          ktile_rm<S>(rm, w + n * row_bytes, a, i0, std::min(i0 + kc, nsb), acc + (n - nb0) * KRM);
+      for (int64_t n = nb0; n < nb1; ++n)
+        for (int r = 0; r < rm; ++r) y[(m + r) * ldy + n] = hsum(acc[(n - nb0) * KRM + r]);
+    }
+  }
+}
+
+// Rows [n0, n1) of W (type T) against the M rows of x into y[:, n0:n1] (row stride ldy)
 template <class T>
 void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Act& x, const ActK& xk, int64_t M,
              float* y, int64_t ldy) {
-  const int64_t K = x.K, nb = K / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * row_bytes;
-    // rows of x in tiles of up to 4 (a weight group is decoded once per tile); every row's sum is
-    // accumulated in the same order whatever its tile, so results do not depend on M
-    for (int64_t m = 0; m < M; m += 4) {
-      const int64_t t = std::min<int64_t>(4, M - m);
-      float* o = y + m * ldy + n;
-      if constexpr (T::KQ) {
-        const ActK a{xk.q + m * K, xk.d + m * (K / 256), xk.s + m * nb, xk.bs + m * (K / 16), K};
-        switch (t) {
-          case 4: kdot<T, 4>(wr, a, o, ldy); break;
-          case 3: kdot<T, 3>(wr, a, o, ldy); break;
-          case 2: kdot<T, 2>(wr, a, o, ldy); break;
-          default: kdot<T, 1>(wr, a, o, ldy); break;
-        }
-      } else {
+  if constexpr (T::KQ) {
+    krows_of<T>(w, row_bytes, n0, n1, xk, M, y, ldy);
+  } else {
+    const int64_t K = x.K, nb = K / 32;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * row_bytes;
+      // rows of x in tiles of up to 4 (a weight group is decoded once per tile); every row's sum is
+      // accumulated in the same order whatever its tile, so results do not depend on M
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t t = std::min<int64_t>(4, M - m);
+        float* o = y + m * ldy + n;
         const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, K, nb};
         switch (t) {
           case 4: dot_row<T, 4>(wr, a, o, ldy); break;
@@ -480,11 +530,13 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
       ks(any_k ? M * nb : 0);
   std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
-  for (int64_t m = 0; m < M; ++m) {
-    if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
-    if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
-                              kb.data() + m * K / 16);
-  }
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+      if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
+                                kb.data() + m * K / 16);
+    }
+  });
   const Act a{xq.data(), xd.data(), xs.data(), K, nb};
   const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
   float* yp = y.data_ptr<float>();
