@@ -35,8 +35,9 @@ from ..gguf.reader import GGUFFile
 from . import kernels
 
 INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
-# From this many rows on (prompt chunks), int8 weights are dequantized and multiplied by an fp32
-# GEMM (measured: int8 kernel 11.6 ms for 64 rows of a 4864x896 matrix, ~linear in rows). Kept
+# From this many rows on (prompt chunks), weights other than K-quants are dequantized and
+# multiplied by an fp32 GEMM (the 32-weight block kernel converts every block's sum to float and
+# loses to the GEMM there; K-quant matrices stay on the integer kernel, ~1.3-2x the GEMM). Kept
 # above the largest verification block (1 + 16 drafts) so decoding and verification always use
 # the same row-independent kernel.
 GEMM_MIN_ROWS = 32

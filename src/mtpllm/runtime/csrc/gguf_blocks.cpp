@@ -5,7 +5,8 @@
 // Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K (super-blocks of 256).
 // Each type is a decoder that turns one (super-)block into 32-weight groups: 32 integer codes
 // (signed, or unsigned with a float min per group), a float scale per 16 or 32 codes. A group
-// decoded once is multiplied against up to 4 rows of activations.
+// decoded once is multiplied against up to 4 rows of activations (32-weight blocks) or a tile of 8
+// rows (K-quants, which also run prompt chunks: see krows_of).
 //
 // Activations: each row of x is quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
 // Q8_0), then y[m, n] = sum over groups of d_x * scale_w * int_dot(q_x, q_w) + min_w * sum(x_hat).
