@@ -80,25 +80,27 @@ inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
 // 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K). Types with VMIN give
 // the mins of all 8 groups of a super-block at once, fm(__m256), before the groups (min = 0 in f).
 struct TQ8_0 {
-  static constexpr int QK = 32, BYTES = 34;
+  static constexpr int QK = 32, BYTES = 34, OFF = 0;
   static constexpr bool SIGNED = true, MIN = false, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, loadu(b + 2), _mm256_set1_ps(f16(b)), 0.0f);
   }
 };
-// Q4_0 and Q5_0 codes are used unsigned (0..15, 0..31) with the offset (-8, -16) as a min term:
-// w = d * u - 8d. Saves the sign shuffles of a signed dot per row.
+// Q4_0 and Q5_0 codes are used unsigned (0..15, 0..31) with the offset (8, 16) taken off in the
+// integer sum: w = d * (u - 8), and u . x - 8 * sum(x) is maddubs(u, x) minus 8 times x's pair sums
+// (precomputed per row, `Act::o4`/`o5`): one subtraction per row instead of a sign shuffle or a
+// float min term.
 struct TQ4_0 {
-  static constexpr int QK = 32, BYTES = 18;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
+  static constexpr int QK = 32, BYTES = 18, OFF = 8;
+  static constexpr bool SIGNED = false, MIN = false, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     f(0, nibbles32(b + 2), _mm256_set1_ps(d), -8.0f * d);
   }
 };
 struct TQ5_0 {
-  static constexpr int QK = 32, BYTES = 22;
-  static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
+  static constexpr int QK = 32, BYTES = 22, OFF = 16;
+  static constexpr bool SIGNED = false, MIN = false, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     const __m256i hi = _mm256_and_si256(bits32(b + 2), _mm256_set1_epi8(0x10));
@@ -106,14 +108,14 @@ struct TQ5_0 {
   }
 };
 struct TQ4_1 {
-  static constexpr int QK = 32, BYTES = 20;
+  static constexpr int QK = 32, BYTES = 20, OFF = 0;
   static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     f(0, nibbles32(b + 4), _mm256_set1_ps(f16(b)), f16(b + 2));
   }
 };
 struct TQ5_1 {
-  static constexpr int QK = 32, BYTES = 24;
+  static constexpr int QK = 32, BYTES = 24, OFF = 0;
   static constexpr bool SIGNED = false, MIN = true, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const __m256i hi = _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(0x10));
@@ -187,9 +189,11 @@ struct TQ6_K {
 };
 
 struct Act {  // R consecutive quantized rows of x
-  const int8_t* q;  // [R, K]
-  const float* d;   // [R, K/32]
-  const float* s;   // [R, K/32]: d * sum of codes per block
+  const int8_t* q;   // [R, K]
+  const float* d;    // [R, K/32]
+  const float* s;    // [R, K/32]: d * sum of codes per block
+  const int16_t* o4; // [R, K/2]: 8 * the sums of pairs of codes (for Q4_0), or null
+  const int16_t* o5; // [R, K/2]: 16 * the sums of pairs of codes (for Q5_0), or null
   int64_t K, nb;
 };
 
@@ -214,8 +218,14 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
       const __m256i aw = T::SIGNED ? _mm256_sign_epi8(w, w) : w;
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 32));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, T::SIGNED ? _mm256_sign_epi8(xv, w) : xv), ones);
-        ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_set1_ps(a.d[r * a.nb + i])), ac[r]);
+        __m256i p = _mm256_maddubs_epi16(aw, T::SIGNED ? _mm256_sign_epi8(xv, w) : xv);
+        if (T::OFF) {  // minus OFF * sum(x), by pairs (|u . x| <= 7874, |16 * pair| <= 4064: no overflow)
+          const int16_t* o = T::OFF == 8 ? a.o4 : a.o5;
+          p = _mm256_sub_epi16(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + r * (a.K / 2) + i * 16)));
+        }
+        p = _mm256_madd_epi16(p, ones);
+        // d_x broadcast from memory (a load, not a shuffle), times the block's d_w
+        ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_broadcast_ss(a.d + r * a.nb + i)), ac[r]);
         if (T::MIN) mins[r] += mn * a.s[r * a.nb + i];
       }
     };
@@ -425,7 +435,8 @@ void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const 
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t t = std::min<int64_t>(4, M - m);
         float* o = y + m * ldy + n;
-        const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, K, nb};
+        const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, x.o4 ? x.o4 + m * K / 2 : nullptr,
+                    x.o5 ? x.o5 + m * K / 2 : nullptr, K, nb};
         switch (t) {
           case 4: dot_row<T, 4>(wr, a, o, ldy); break;
           case 3: dot_row<T, 3>(wr, a, o, ldy); break;
@@ -520,25 +531,35 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   }
   const int64_t N = off.back();
   at::Tensor y = at::empty({M, N}, x.options());
-  bool any_k = false, any_32 = false;
+  bool any_k = false, any_32 = false, any_q4 = false, any_q5 = false;
   for (size_t i = 0; i < ws.size(); ++i) {
     const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K;
     any_k |= k;
     any_32 |= !k;
+    any_q4 |= types[i] == Q4_0;
+    any_q5 |= types[i] == Q5_0;
   }
   const float* xp = x.data_ptr<float>();
   std::vector<int8_t> xq(any_32 ? M * K : 0), kq(any_k ? M * K : 0);
   std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
       ks(any_k ? M * nb : 0);
-  std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
+  std::vector<int16_t> kb(any_k ? M * K / 16 : 0), o4(any_q4 ? M * K / 2 : 0), o5(any_q5 ? M * K / 2 : 0);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+      if (any_q4 || any_q5) {  // 8 and 16 times the sums of pairs of codes
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int64_t j = 0; j < nb; ++j) {
+          const __m256i c = _mm256_maddubs_epi16(one, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + 32 * j)));
+          if (any_q4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o4.data() + m * K / 2 + 16 * j), _mm256_slli_epi16(c, 3));
+          if (any_q5) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o5.data() + m * K / 2 + 16 * j), _mm256_slli_epi16(c, 4));
+        }
+      }
       if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
                                 kb.data() + m * K / 16);
     }
   });
-  const Act a{xq.data(), xd.data(), xs.data(), K, nb};
+  const Act a{xq.data(), xd.data(), xs.data(), any_q4 ? o4.data() : nullptr, any_q5 ? o5.data() : nullptr, K, nb};
   const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain_rows(K, M), [&](int64_t n0, int64_t n1) {
