@@ -122,11 +122,13 @@ def test_cli_train_mtp(setup, tiny_dir):
     out = d / "mtp-cli.gguf"
     r = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
                         str(d / "data.txt"), "-o", str(out), "--steps", "4", "--seq-len", "48",
-                        "--eval-prompts", str(d / "data.txt"), "--eval-n", "1", "--eval-tokens", "8"],
+                        "--eval-prompts", str(d / "data.txt"), "--eval-n", "1", "--eval-tokens", "8",
+                        "--describe", "a short test text"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "step 4/4" in r.stderr and "held-out evaluation" in r.stderr and out.exists()
     assert GGUFFile(out).get("mtpllm.eval.prompts") == 1
+    assert GGUFFile(out).get("mtpllm.train.data").startswith("a short test text (")
     bad = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
                           str(d / "missing"), "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such file or directory" in bad.stderr and "Traceback" not in bad.stderr

@@ -238,6 +238,9 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="weight of each further position's loss relative to the previous one")
     ap.add_argument("--feature-weight", type=float, default=1.0,
                     help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
+    ap.add_argument("--describe", default=None, metavar="TEXT",
+                    help="what the training text is, recorded in the head's metadata "
+                         "(default: the data files' names)")
     ap.add_argument("--init", default=None, metavar="HEAD.gguf",
                     help="fine-tune an existing head for this model (keeps its FFN width and draft vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
@@ -276,7 +279,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
     n_tok = len(windows) * cfg.seq_len
     print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
           f"{cfg.steps} steps x {cfg.batch} windows", file=sys.stderr)
-    desc = ", ".join(Path(p).name for p in a.data) + f" ({n_tok} tokens)"  # names only: no local paths
+    # names only: no local paths
+    desc = (a.describe or ", ".join(Path(p).name for p in a.data)) + f" ({n_tok} tokens)"
     tr = Trainer(eng, windows, cfg, out, desc, init=a.init)
     if not a.no_resume and tr.load_checkpoint():
         print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)

@@ -407,7 +407,8 @@ void krows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
       const int rm = static_cast<int>(std::min<int64_t>(KRM, M - m));
       const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), K};
       __m256 acc[KNB * KRM];
-      for (auto& v : acc) v = _mm256_setzero_ps();
+      for (int64_t n = 0; n < nb1 - nb0; ++n)  // only the tile's rows (decoding: one per weight row)
+        for (int r = 0; r < rm; ++r) acc[n * KRM + r] = _mm256_setzero_ps();
       // one tile of x (decoding, verification): each weight row is streamed whole, as the
       // prefetch ahead of it expects
       const int64_t kc = M <= KRM ? nsb : KKC;
