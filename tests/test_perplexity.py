@@ -57,7 +57,9 @@ def test_perplexity_cli(tiny_models, tmp_path):
 def test_compressed_path_perplexity_within_one_percent_of_float32():
     """Issue target: the fast path costs under 1% of perplexity against every weight dequantized to
     float32, on a fixed text (2 chunks of 512). Batches of 16 tokens run the decoding kernel (file
-    codes, int8 activations per 32-block); prompt-sized batches use the file's exact weights."""
+    codes, int8 activations per 32-block or per 256 against K-quants); prompt-sized batches run the
+    same integer kernel for K-quant matrices and the float32 GEMM on the file's exact weights for
+    the others."""
     fast_eng = Engine.load("qwen2.5-coder-0.5b", n_ctx=512)
     fast = perplexity(fast_eng, TEXT, n_ctx=512, max_chunks=2, batch=16)
     prompt = perplexity(fast_eng, TEXT, n_ctx=512, max_chunks=2)
@@ -66,4 +68,4 @@ def test_compressed_path_perplexity_within_one_percent_of_float32():
     print(f"PPL decoding kernel {fast.ppl:.4f}, prompt path {prompt.ppl:.4f}, float32 {ref.ppl:.4f}")
     assert fast.tokens_scored == 512
     assert abs(fast.ppl / ref.ppl - 1) < 0.01
-    assert abs(prompt.ppl / ref.ppl - 1) < 1e-3
+    assert abs(prompt.ppl / ref.ppl - 1) < 0.01
