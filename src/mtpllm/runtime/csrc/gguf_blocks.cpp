@@ -56,7 +56,7 @@ inline __m256i bits32(const uint8_t* p) {
 
 // Q4_K / Q5_K: the 8 groups' 6-bit scales, then their 8 mins, as bytes (ggml's get_scale_min_k4
 // for all 8 groups at once)
-inline __m128i scale_min_bytes_k4(const uint8_t* s) {
+__attribute__((always_inline)) inline __m128i scale_min_bytes_k4(const uint8_t* s) {
   uint32_t u[4];
   std::memcpy(u, s, 12);
   constexpr uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
@@ -270,7 +270,7 @@ struct SbK45 {  // Q4_K or Q5_K
   __m256i s16;  // the 8 group scales as int16, in both 128-bit lanes
   __m256 mins;  // -dmin * the 8 group mins
   float d;
-  void load(const uint8_t* p) {
+  __attribute__((always_inline)) void load(const uint8_t* p) {
     b = p;
     d = f16(p);
     const __m128i sm = scale_min_bytes_k4(p + 4);
@@ -298,7 +298,7 @@ struct SbQ6 {  // Q6_K: codes used unsigned (0..63), 32 * sum(scale * sum(x)) su
   __m256i sc16;    // the 16 scales as int16
   __m256i lo, hi;  // scales 0-7 / 8-15 in both lanes
   float d;
-  void load(const uint8_t* p) {
+  __attribute__((always_inline)) void load(const uint8_t* p) {
     b = p;
     d = f16(p + 208);
     sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
