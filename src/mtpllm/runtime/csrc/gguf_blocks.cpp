@@ -68,11 +68,16 @@ __attribute__((always_inline)) inline __m128i scale_min_bytes_k4(const uint8_t* 
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
 }
 
+// the 8 mins of scale_min_bytes_k4's bytes times -dmin
+__attribute__((always_inline)) inline __m256 mins_k4(__m128i v, float dmin) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
+}
+
 // the same as floats: scales times d into sc[8], mins times -dmin returned as a vector
 inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
   const __m128i v = scale_min_bytes_k4(s);
   _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), _mm256_set1_ps(-dmin));
+  return mins_k4(v, dmin);
 }
 
 // Decoders. `each(blk, f, fm)` calls f(g, codes, scale, min) for the 32-weight groups g of one
@@ -95,7 +100,7 @@ struct TQ4_0 {
   static constexpr bool SIGNED = false, MIN = false, VMIN = false, KQ = false;
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
-    f(0, nibbles32(b + 2), _mm256_set1_ps(d), -8.0f * d);
+    f(0, nibbles32(b + 2), _mm256_set1_ps(d), -OFF * d);  // the min for dequantization
   }
 };
 struct TQ5_0 {
@@ -104,7 +109,7 @@ struct TQ5_0 {
   template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
     const float d = f16(b);
     const __m256i hi = _mm256_and_si256(bits32(b + 2), _mm256_set1_epi8(0x10));
-    f(0, _mm256_or_si256(nibbles32(b + 6), hi), _mm256_set1_ps(d), -16.0f * d);
+    f(0, _mm256_or_si256(nibbles32(b + 6), hi), _mm256_set1_ps(d), -OFF * d);
   }
 };
 struct TQ4_1 {
@@ -275,7 +280,7 @@ struct SbK45 {  // Q4_K or Q5_K
     d = f16(p);
     const __m128i sm = scale_min_bytes_k4(p + 4);
     s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-    mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))), _mm256_set1_ps(-f16(p + 2)));
+    mins = mins_k4(sm, f16(p + 2));
   }
   __m256i code(int g) const {
     __m256i lo, hi;
