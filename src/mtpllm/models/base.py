@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
 from ..runtime import kernels
-from ..runtime.kv_cache import KVCache, kv_cache_bytes
+from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
 from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, rope_inv_freq
@@ -108,6 +108,24 @@ class Transformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             x = blk(x, positions, cache, i)
         cache.advance(T)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One token for each of B sequences: tokens[b] at position caches[b].length -> final-normed
+        hidden states [B, D]; commits one position in every cache. The matrix products see B rows
+        (each row computed as in one-token decoding), attention runs per sequence in its own cache."""
+        if tokens.shape[0] != len(caches) or not caches:
+            raise MtpllmError(f"decode_batch: {tokens.shape[0]} tokens for {len(caches)} caches")
+        for c in caches:
+            if c.length + 1 > c.max_len:
+                raise MtpllmError(f"context overflow: position {c.length + 1} exceeds the context size {c.max_len}")
+        kv = BatchKV(caches)
+        x = self.embed(tokens)
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, kv.positions, kv, i)
+        for c in caches:
+            c.advance(1)
         return self.norm(x)
 
     @torch.inference_mode()

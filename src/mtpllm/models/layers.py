@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import MtpllmError
 from ..runtime import kernels
-from ..runtime.kv_cache import KVCache
+from ..runtime.kv_cache import BatchKV, KVCache
 from .config import ModelConfig, RopeConfig
 
 ROW_BY_ROW_MAX = 32  # blocks up to this many tokens (speculative verification) attend row by row
@@ -136,8 +136,16 @@ class Attention(nn.Module):
                                               scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
-        T = x.shape[0]
         qkv = self.qkv(x)
+        if isinstance(kv, BatchKV):  # one token of each of several sequences, each with its own cache
+            o = torch.cat([self._mix(qkv[b:b + 1], positions[b:b + 1], c, layer) for b, c in enumerate(kv.caches)])
+        else:
+            o = self._mix(qkv, positions, kv, layer)
+        return self.out(o)
+
+    def _mix(self, qkv: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
+        """Rotary, cache write and attention for qkv [T, ...] at `positions` -> [T, H * hd]."""
+        T = qkv.shape[0]
         if T <= ROW_BY_ROW_MAX and isinstance(kv, KVCache) and not kv.span(layer) and not self.window \
                 and _fused(qkv):
             # decoding and verification: norm, rotary, cache write and attention in one operator,
@@ -145,7 +153,7 @@ class Attention(nn.Module):
             start = int(positions[0])
             if start + T > kv.max_len:
                 raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
-            cos, sin = self.rotary.tables(start + T, x.device)
+            cos, sin = self.rotary.tables(start + T, qkv.device)
             j = kv.slot[layer]
             o = kernels.attend_cached(
                 qkv.contiguous(), cos, sin, kv.k[j], kv.v[j], start, self.n_heads, self.n_kv, self.hd,
@@ -153,7 +161,7 @@ class Attention(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 1e-6)
-            return self.out(o)
+            return o
         q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
         v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
         if self.q_norm is not None:
@@ -178,7 +186,7 @@ class Attention(nn.Module):
                                         key_pos[lo[t]:L0 + t + 1], positions[t:t + 1]) for t in range(T)], dim=2)
         else:
             o = self._attend(qh, keys, values, key_pos, positions)
-        return self.out(o[0].transpose(0, 1).reshape(T, self.n_heads * self.hd))
+        return o[0].transpose(0, 1).reshape(T, self.n_heads * self.hd)
 
 
 class MLP(nn.Module):

@@ -154,16 +154,20 @@ class Engine:
         cache.trim(cache.length - common)
         self._cached_tokens = list(prompt[:common])
         self.last_cached_n = common
-        todo = torch.tensor(prompt[common:], dtype=torch.long, device=self.device)
-        # the last prompt token always goes alone, through the one-token decoding kernels: a later
-        # request that reuses this prefix recomputes just that token, and gets the same bits
-        parts = [self.model(todo[s:min(s + PREFILL_CHUNK, todo.shape[0] - 1)], cache)
-                 for s in range(0, todo.shape[0] - 1, PREFILL_CHUNK)]
-        parts.append(self.model(todo[-1:], cache))
-        hidden = torch.cat(parts)
+        hidden = self._evaluate(prompt[common:], cache)
         self._cached_tokens = list(prompt)
         self.last_prompt_hidden = hidden
         return hidden[-1:]
+
+    def _evaluate(self, tokens: list[int], cache) -> torch.Tensor:
+        """Prompt tokens into `cache` in chunks -> their hidden states [T, D]. The last token always
+        goes alone, through the one-token decoding kernels: a later request that reuses this prefix
+        recomputes just that token, and gets the same bits."""
+        todo = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        parts = [self.model(todo[s:min(s + PREFILL_CHUNK, todo.shape[0] - 1)], cache)
+                 for s in range(0, todo.shape[0] - 1, PREFILL_CHUNK)]
+        parts.append(self.model(todo[-1:], cache))
+        return torch.cat(parts)
 
     def _plain_steps(self, prompt: list[int], sampler: Sampler) -> Iterator[list[int]]:
         """Plain decoding: one token per step. The caller stops the generator when it is done."""
@@ -263,6 +267,73 @@ class Engine:
                 tokens.append(r.token)
             last = r
         return Completion("".join(parts), tokens, last.finish_reason, last.timings, len(ids), last.stats)
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Several independent requests decoded together: each step feeds one token of every
+        unfinished sequence through the model as one batch (`Transformer.decode_batch`), so the
+        weights are read once per step for all of them. Each sequence gets exactly the tokens that
+        `generate` would give it alone (same kernels row by row; greedy identical, sampling from the
+        same distributions). Plain decoding only; stop strings, EOS and max_tokens per sequence.
+        Each sequence gets its own KV cache of len(prompt) + max_tokens positions (at most n_ctx)."""
+        params = params or SamplingParams()
+        if not prompts:
+            return []
+        for ids in prompts:
+            if not ids:
+                raise MtpllmError("empty prompt: give some text to complete")
+            if len(ids) >= self.n_ctx:
+                raise MtpllmError(f"prompt is {len(ids)} tokens but the context size is {self.n_ctx}: "
+                                  f"shorten the prompt or raise the context size (-c)")
+        tok = self.tokenizer
+        eos = set() if params.ignore_eos else tok.eos_ids
+        check_kv_memory(self.model.cfg, sum(min(self.n_ctx, len(ids) + params.max_tokens) for ids in prompts))
+        t0 = time.perf_counter()
+        caches, hidden, samplers = [], [], []
+        for ids in prompts:
+            cache = self.model.make_cache(min(self.n_ctx, len(ids) + params.max_tokens), self.device)
+            hidden.append(self._evaluate(ids, cache)[-1:])
+            caches.append(cache)
+            samplers.append(make_sampler(params, self.device))
+        t1 = time.perf_counter()
+        B = len(prompts)
+        out: list[list[int]] = [[] for _ in range(B)]
+        finish: list[str | None] = ["length" if params.max_tokens == 0 else None] * B
+        cut_texts: list[str | None] = [None] * B  # output text cut at a stop string
+        live = [b for b in range(B) if finish[b] is None]
+        h = torch.cat(hidden)
+        while live:
+            logits = self.model.logits(h)
+            nxt = []
+            for row, b in enumerate(live):
+                t = samplers[b].sample(logits[row], prompts[b] + out[b])
+                if t in eos:
+                    finish[b] = "stop"
+                    continue
+                out[b].append(t)
+                if params.stop:
+                    text = tok.decode(out[b], skip_special=True)
+                    cut = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+                    if cut:
+                        cut_texts[b], finish[b] = text[:min(cut)], "stop"
+                        continue
+                if len(out[b]) >= params.max_tokens:
+                    finish[b] = "length"
+                elif caches[b].length + 2 > caches[b].max_len:
+                    finish[b] = "context"
+                else:
+                    nxt.append((row, b, t))
+            live = [b for _, b, _ in nxt]
+            if live:
+                ids = torch.tensor([t for _, _, t in nxt], dtype=torch.long, device=self.device)
+                h = self.model.decode_batch(ids, [caches[b] for b in live])
+        t2 = time.perf_counter()
+        done = []
+        for b in range(B):
+            text = cut_texts[b] if cut_texts[b] is not None else tok.decode(out[b], skip_special=True)
+            tm = Timings(load_ms=self.load_ms, prompt_n=sum(map(len, prompts)), prompt_ms=(t1 - t0) * 1e3,
+                         predicted_n=sum(map(len, out)), predicted_ms=(t2 - t1) * 1e3)
+            done.append(Completion(text, out[b], finish[b], tm, len(prompts[b])))
+        return done
 
 
 def check_kv_memory(cfg, n_ctx: int) -> int:

@@ -98,3 +98,13 @@ class KVCache:
 
     def nbytes(self) -> int:
         return (self.k.numel() * self.k.element_size() + self.rk.numel() * self.rk.element_size()) * 2
+
+
+class BatchKV:
+    """One new position in each of several sequences' caches: `Transformer.decode_batch` runs the
+    matrix products of B sequences' next tokens as one B-row batch (the weights are read once per
+    step for all of them) and attention row by row, each row in its own cache at its own position."""
+
+    def __init__(self, caches: list[KVCache]):
+        self.caches = caches
+        self.positions = torch.tensor([c.length for c in caches], device=caches[0].positions.device)
