@@ -2,8 +2,8 @@
 
 Prompts are HumanEval-style (a Python signature and docstring) taken from functions of CPython's
 standard library, plus hand-written prose requests (none of them the benchmark's held-out prose
-prompts). Answers are the engine's own greedy decoding of the model (n-gram speculation, which is
-lossless, makes it faster), and each conversation is written, rendered with the model's chat
+prompts). Answers are the engine's own greedy decoding of the model (batches of requests decoded
+together, `Engine.generate_batch`, ~4x the tokens per second of one at a time here), and each conversation is written, rendered with the model's chat
 template, as one {"text": ...} line of a .jsonl file that `mtpllm train-mtp --data` reads.
 
     python scripts/self_answers.py -m qwen2.5-coder-0.5b --stdlib /usr/lib/python3.11 -n 256 -o answers.jsonl
@@ -64,10 +64,37 @@ PROSE = [
 ]
 
 
+# more prose requests from templates (none of them is one of the benchmark's held-out prose prompts)
+STORY_SUBJECTS = [
+    "a lonely robot who repairs old radios", "a girl who finds a map inside a library book",
+    "a chef who cooks for a king", "a boy who trains a stray dog", "a painter who paints only at night",
+    "a village that forgets its own name", "a pilot who lands on an unknown island",
+    "a teacher on her last day before retiring", "a tailor who sews a coat for a giant",
+    "two rival inventors who must work together", "a fox who learns to read", "a miner who finds a glowing stone",
+    "a family moving to a new country", "a runner training for her first marathon",
+    "a shepherd who counts the stars", "an astronaut alone on the moon", "a violin that plays by itself",
+    "a city where nobody is allowed to sing", "a turtle who wants to fly", "a young queen's first decision",
+]
+EXPLAIN_TOPICS = [
+    "a microwave oven heats food", "a bank decides whether to give a loan", "solar panels make electricity",
+    "the human eye sees colour", "a river shapes a valley", "a search engine ranks pages",
+    "a camera captures a photograph", "the immune system fights a cold", "a battery stores energy",
+    "an elevator works", "a newspaper is made", "a bridge carries heavy loads",
+    "clouds form and why they float", "the stock market works", "a telescope magnifies distant objects",
+    "soap removes dirt", "a submarine dives and rises", "the lungs bring oxygen into the blood",
+    "a law is made in a parliament", "GPS finds your position",
+]
+MORE_PROSE = ([f"Write a short story about {s}." for s in STORY_SUBJECTS]
+              + [f"Explain how {t}." for t in EXPLAIN_TOPICS])
+
+
 def stdlib_prompts(root: Path, limit: int, seed: int) -> list[str]:
-    """HumanEval-style prompts: top-level functions with a docstring, body removed."""
+    """HumanEval-style prompts: public functions with a docstring (module level, in the standard
+    library and its packages, tests excluded), body removed."""
     out = []
-    for f in sorted(root.glob("*.py")):
+    files = sorted(f for f in root.rglob("*.py")
+                   if not ({"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(f.relative_to(root).parts)))
+    for f in files:
         try:
             tree = ast.parse(f.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError):
@@ -93,8 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("--code", type=int, default=240, help="number of code prompts")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8,
+                    help="requests decoded together (Engine.generate_batch; 1 = one at a time with n-gram speculation)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--skip", nargs="*", default=[], help="earlier output files: their prompts are not asked again")
     a = ap.parse_args(argv)
 
     from mtpllm.runtime.engine import Engine
@@ -103,25 +133,32 @@ def main(argv=None) -> int:
     eng = Engine.load(a.model, n_ctx=2048, threads=a.threads)
     spec = SpecConfig("ngram", 3).build(eng)
 
-    prompts = PROSE + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
+    prompts = PROSE + MORE_PROSE + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
     random.Random(a.seed).shuffle(prompts)  # prose and code interleaved: a partial run has both
     out = Path(a.out)
     done = set()
-    if out.exists():
-        done = {json.loads(line)["prompt"] for line in out.read_text().splitlines() if line.strip()}
+    for f in [out] + [Path(x) for x in a.skip]:
+        if f.exists():
+            done |= {json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()}
     todo = [p for p in prompts if p not in done]
     print(f"{len(prompts)} prompts, {len(todo)} to do", flush=True)
     t0, n_tok = time.time(), 0
     params = SamplingParams(temperature=0, max_tokens=a.max_new)
     with out.open("a", encoding="utf-8") as fh:
-        for i, p in enumerate(todo):
-            ids = eng.encode_prompt(messages=[{"role": "user", "content": p}])
-            c = eng.generate(prompt_ids=ids, params=params, speculative=spec)
-            n_tok += len(c.tokens)
-            text = eng.tokenizer.decode(ids + c.tokens)
-            fh.write(json.dumps({"prompt": p, "text": text}) + "\n")
+        for i in range(0, len(todo), a.batch):
+            group = todo[i:i + a.batch]
+            ids = [eng.encode_prompt(messages=[{"role": "user", "content": p}]) for p in group]
+            if a.batch == 1:
+                done_c = [eng.generate(prompt_ids=ids[0], params=params, speculative=spec)]
+            else:
+                done_c = eng.generate_batch(ids, params)
+            for p, pid, c in zip(group, ids, done_c):
+                n_tok += len(c.tokens)
+                text = eng.tokenizer.decode(pid + c.tokens)
+                fh.write(json.dumps({"prompt": p, "text": text}) + "\n")
             fh.flush()
-            print(f"{i + 1}/{len(todo)} prompts, {n_tok} tokens, {n_tok / (time.time() - t0):.1f} tok/s", flush=True)
+            print(f"{i + len(group)}/{len(todo)} prompts, {n_tok} tokens, {n_tok / (time.time() - t0):.1f} tok/s",
+                  flush=True)
     return 0
 
 
