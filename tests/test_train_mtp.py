@@ -69,7 +69,7 @@ def test_roundtrip_gives_identical_drafts(setup):
     with torch.no_grad():  # the in-memory head's first draft equals the file's
         emb = eng.model.embed(torch.tensor(ids[1:21]))[None]
         hid = eng.model(torch.tensor(ids[:20]), eng.model.make_cache(64))[None]
-        logits = tr.head(emb, hid)[0, -1] @ tr.head_w.t()
+        logits = tr.head(emb, hid)[0][0, -1] @ tr.head_w.t()
         assert int(tr.vocab[logits.argmax()]) == drafts[0]
 
 
@@ -178,7 +178,7 @@ def test_feature_regression_pulls_the_output_toward_the_next_hidden_state(setup)
         ids = torch.tensor(windows[0])
         with torch.no_grad():
             h = tr.hidden.get(0)
-            out = tr.head(eng.model.embed(ids[1:])[None], h[:-1][None])[0]
+            out = tr.head(eng.model.embed(ids[1:])[None], h[:-1][None])[0][0]
         return float(F.smooth_l1_loss(out, h[1:]))
     a = _trainer(setup, "mtp-feat.gguf", 30, feature_weight=1.0)
     before = feature_error(a)
@@ -244,3 +244,40 @@ def test_depth_trains_the_head_on_its_own_outputs(setup):
     assert last < 0.8 * first
     with pytest.raises(MtpllmError, match="depth"):
         TrainConfig(depth=0)
+
+
+def test_training_positions_match_speculative_decoding(setup):
+    """The training forward for draft positions 1..3 computes what the proposer computes while
+    drafting: position 1 of base j from the cache of true entries 0..j; positions 2 and 3 from the
+    head's own previous output, attending to the true entries <= j and to base j's own recursive
+    entries only (at positions j+1, j+2). Checked against the inference module (its KV cache,
+    the engine's attention) for several bases, with the same (Q8_0-rounded) weights."""
+    from mtpllm.speculative.mtp import load_mtp_head
+    from mtpllm.train.mtp import TrainableHead
+    eng, windows, d = setup
+    tr = _trainer(setup, "mtp-pos.gguf", 3, ffn=256, depth=3)
+    tr.train(progress=None)
+    path = tr.write_gguf(sha256_cached(eng.model.source))
+    trunk = eng.model
+    th = TrainableHead(trunk, 256, 0)
+    th.load_gguf(GGUFFile(path), trunk.cfg.n_layers)
+    head = load_mtp_head(GGUFFile(path), trunk, mode="f32")
+    w = windows[0]
+    S = len(w)
+    h = tr.hidden.get(tr.order[0] if windows[tr.order[0]] == w else 0)
+    t = torch.tensor(w)
+    with torch.no_grad():
+        e = trunk.embed(t)
+        o1, kv1 = th(e[None, 1:], h[None, :-1])
+        o2, kv2 = th(e[None, 2:], o1[:, :S - 2], [kv1])
+        o3, _ = th(e[None, 3:], o2[:, :S - 3], [kv1, kv2])
+    with torch.inference_mode():
+        for j in (0, 5, 17, S - 4):
+            cache = head.make_cache(trunk.cfg, S + 4)
+            g1 = head(e[1:j + 2], h[:j + 1], cache)[-1:]
+            g2 = head(e[j + 2:j + 3], g1, cache)
+            g3 = head(e[j + 3:j + 4], g2, cache)
+            for got, ref in ((g1, o1), (g2, o2), (g3, o3)):
+                assert torch.allclose(got[0], ref[0, j], atol=2e-4, rtol=1e-4), (j, (got[0] - ref[0, j]).abs().max())
+    # the old training forward (position s attending to all earlier bases' recursions) differs
+    assert not torch.allclose(o2[0, 17], th(e[None, 2:], o1[:, :S - 2])[0][0, 17], atol=1e-3)

@@ -70,26 +70,45 @@ class TrainableHead(nn.Module):
     def _rms(self, x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """emb, hidden [B, T, D] (positions 0..T-1) -> normed output [B, T, D]."""
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, past: list | None = None):
+        """Draft position s = len(past) + 1 for every base position j of a window.
+
+        emb, hidden [B, T, D]: the inputs of the entries for bases j = 0..T-1 -> (normed output
+        [B, T, D], this step's rotated keys and values). Position 1 (past None): entry j sits at
+        position j, with (t_{j+1}, h_j), and attends causally, as the proposer's cache of true
+        entries does. Position s > 1: the entry of base j sits at position j + s - 1 and attends, as
+        in speculative decoding, to the true entries at positions <= j (past[0]) and to base j's own
+        recursive entries of positions 2..s (past[1:], then itself) - not to other bases' recursions.
+        """
         c = self.cfg
         B, T, D = emb.shape
+        H, KV, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        s = 1 + len(past or [])
         x = torch.cat([self._rms(emb, self.enorm), self._rms(hidden, self.hnorm)], -1) @ self.eh_proj.t()
         h = self._rms(x, self.attn_norm)
         qkv = h @ torch.cat([self.wq, self.wk, self.wv]).t()
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
-        pos = torch.arange(T).repeat(B)
-        q = self.rotary(q.reshape(B * T, c.n_heads, c.head_dim), pos).view(B, T, c.n_heads, c.head_dim)
-        k = self.rotary(k.reshape(B * T, c.n_kv_heads, c.head_dim), pos).view(B, T, c.n_kv_heads, c.head_dim)
-        v = v.view(B, T, c.n_kv_heads, c.head_dim)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           scale=c.attn_scale, enable_gqa=c.n_heads != c.n_kv_heads)
+        q, k, v = qkv.split([H * hd, KV * hd, KV * hd], -1)
+        pos = (torch.arange(T) + (s - 1)).repeat(B)
+        q = self.rotary(q.reshape(B * T, H, hd), pos).view(B, T, H, hd).transpose(1, 2)
+        k = self.rotary(k.reshape(B * T, KV, hd), pos).view(B, T, KV, hd).transpose(1, 2)
+        v = v.view(B, T, KV, hd).transpose(1, 2)  # [B, KV, T, hd]
+        if s == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.attn_scale, enable_gqa=H != KV)
+        else:
+            keys = torch.cat([pk[:, :, :T] if u else pk for u, (pk, _) in enumerate(past)] + [k], 2)
+            vals = torch.cat([pv[:, :, :T] if u else pv for u, (_, pv) in enumerate(past)] + [v], 2)
+            T1 = past[0][0].shape[2]
+            j = torch.arange(T)[:, None]
+            true = torch.arange(T1)[None, :] <= j  # [T, T1]: true entries at positions <= j
+            own = (torch.arange(T)[None, :] == j).repeat(1, s - 1)  # [T, (s-1) T]: base j's recursion
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=torch.cat([true, own], 1),
+                                               scale=c.attn_scale, enable_gqa=H != KV)
         x = x + o.transpose(1, 2).reshape(B, T, -1) @ self.wo.t()
         f = self._rms(x, self.ffn_norm)
         x = x + (self.act(f @ self.wgate.t()) * (f @ self.wup.t())) @ self.wdown.t()
-        return self._rms(x, self.out_norm)
+        return self._rms(x, self.out_norm), (k, v)
 
     def load_gguf(self, g: GGUFFile, L: int) -> None:
         """Start from the weights of a head file written by `export` (block index L)."""
@@ -400,15 +419,16 @@ class Trainer:
         with torch.no_grad():  # inputs and teacher: constants of the step
             h = torch.stack([self.hidden.get(i) for i in idx])  # [B, S, D] final-normed trunk states (cached)
             tok = torch.stack([torch.tensor(self.windows[i]) for i in idx])
-        loss, prev, w = 0.0, h[:, :-1], 1.0
+        loss, prev, w, past = 0.0, h[:, :-1], 1.0, []
         for s in range(1, min(self.cfg.depth, S - 2) + 1):
             with torch.no_grad():
                 emb = torch.stack([self.trunk.embed(t[s:]) for t in tok])  # tokens t_{j+s}
                 tgt = self._logp(h[:, s:])  # the teacher
             nxt = h[:, s:]
-            out = self.head(emb, prev[:, :S - s])  # [B, S-s, D]
+            out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
             loss = loss + w * self._step_loss(out, tgt, nxt)
             prev, w = out, w * self.cfg.depth_weight
+            past.append(kv)
         return loss
 
     def lr_at(self, step: int) -> float:
