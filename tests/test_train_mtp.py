@@ -206,6 +206,17 @@ def test_init_fine_tunes_an_existing_head(setup):
     fresh = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=256, draft_vocab=100),
                     d / "mtp-fresh.gguf", "test text")
     assert loss_init < float(fresh.batch_loss(tuned.order[:2]))  # starts where the trained head was
+    # --draft-vocab with --init: a new vocabulary from the new text's most frequent tokens, the old
+    # head's tokens next (a chat model's own answers use markdown tokens that source code does not)
+    import numpy as np
+    counts = np.bincount(np.concatenate([np.asarray(w) for w in windows]), minlength=eng.model.cfg.vocab_size)
+    used = int((counts > 0).sum())
+    revoc = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, draft_vocab=used + 20),
+                    d / "mtp-revoc.gguf", "t", init=str(path))
+    got, in_text = set(revoc.vocab.tolist()), set(np.flatnonzero(counts).tolist())
+    old_only = set(base.vocab.tolist()) - in_text
+    assert len(old_only) >= 20  # the old vocabulary (100) has tokens this text never uses
+    assert in_text <= got and len(got) == used + 20 and got - in_text <= old_only
     with pytest.raises(MtpllmError, match="keeps the head's FFN width"):
         Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=128), d / "mtp-x.gguf", "t",
                 init=str(path))

@@ -242,7 +242,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="what the training text is, recorded in the head's metadata "
                          "(default: the data files' names)")
     ap.add_argument("--init", default=None, metavar="HEAD.gguf",
-                    help="fine-tune an existing head for this model (keeps its FFN width and draft vocabulary)")
+                    help="fine-tune an existing head for this model (keeps its FFN width, and its draft vocabulary "
+                         "unless --draft-vocab is given)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint-every", type=_positive_int, default=50)
     ap.add_argument("--max-tokens", type=_positive_int, default=2_000_000, help="training text cap, in tokens")

@@ -328,9 +328,8 @@ class Trainer:
             init_g = GGUFFile(init)
             check_head_trunk(init_g, Path(trunk.source))
             ffn = int(init_g.get(f"{init_g.arch}.feed_forward_length", 0)) or trunk.blocks[-1].mlp.down.in_features
-            if cfg.ffn and cfg.ffn != ffn or cfg.draft_vocab:
-                raise MtpllmError("train-mtp: --init keeps the head's FFN width and draft vocabulary; "
-                                  "drop --ffn/--draft-vocab")
+            if cfg.ffn and cfg.ffn != ffn:
+                raise MtpllmError("train-mtp: --init keeps the head's FFN width; drop --ffn")
         else:
             ffn = cfg.ffn or trunk.blocks[-1].mlp.down.in_features
         self.head = TrainableHead(trunk, ffn, cfg.seed)
@@ -342,9 +341,13 @@ class Trainer:
                               f"{init_g.get('mtpllm.train.data', '?')} for {init_g.get('mtpllm.train.steps', '?')} steps")
             ids = init_g.get("mtpllm.draft_vocab")
             self.vocab = torch.tensor(sorted(int(x) for x in ids)) if ids else None
+            if cfg.draft_vocab and cfg.draft_vocab < V:
+                # a new vocabulary for the new text: its most frequent tokens, then the old head's
+                self.vocab = self._frequent(windows, cfg.draft_vocab, prior=self.vocab)
+            elif cfg.draft_vocab:
+                self.vocab = None
         elif cfg.draft_vocab and cfg.draft_vocab < V:
-            counts = np.bincount(np.concatenate([np.asarray(w) for w in windows]), minlength=V)
-            self.vocab = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:cfg.draft_vocab]))
+            self.vocab = self._frequent(windows, cfg.draft_vocab)
         else:
             self.vocab = None
         W = trunk.lm_head.dequantized()
@@ -356,6 +359,15 @@ class Trainer:
         self.losses: list[float] = []
         self.order = list(range(len(windows)))
         random.Random(cfg.seed).shuffle(self.order)
+
+    def _frequent(self, windows: list[list[int]], n: int, prior: torch.Tensor | None = None) -> torch.Tensor:
+        """The n most frequent tokens of the training windows (sorted ids); tokens of `prior` (an
+        earlier draft vocabulary) come next, before tokens the text never uses."""
+        V = self.trunk.cfg.vocab_size
+        score = np.bincount(np.concatenate([np.asarray(w) for w in windows]), minlength=V)[:V].astype(np.float64)
+        if prior is not None:
+            score[prior.numpy()] += 0.5
+        return torch.from_numpy(np.sort(np.argsort(-score, kind="stable")[:n]))
 
     # -- checkpoints ------------------------------------------------------------------
     @property
