@@ -57,8 +57,8 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.61 when trained.
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.5
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.69 when trained.
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.6
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
