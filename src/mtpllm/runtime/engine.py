@@ -184,17 +184,20 @@ class Engine:
             hidden = model(torch.tensor([tok], device=self.device), cache)
             self._cached_tokens.append(tok)
 
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise MtpllmError("empty prompt: give some text to complete")
+        if len(ids) >= self.n_ctx:
+            raise MtpllmError(f"prompt is {len(ids)} tokens but the context size is {self.n_ctx}: "
+                              f"shorten the prompt or raise the context size (-c), at most {self.model.cfg.ctx_len} "
+                              f"for this model without rope scaling")
+
     # ------------------------------------------------------------------ layer 2: stream
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None,
                speculative=None) -> Iterator[Response]:
         """Generate from token ids; yields one Response per emitted token, the last one with a finish_reason."""
         params = params or SamplingParams()
-        if not prompt_ids:
-            raise MtpllmError("empty prompt: give some text to complete")
-        if len(prompt_ids) >= self.n_ctx:
-            raise MtpllmError(f"prompt is {len(prompt_ids)} tokens but the context size is {self.n_ctx}: "
-                              f"shorten the prompt or raise the context size (-c), at most {self.model.cfg.ctx_len} "
-                              f"for this model without rope scaling")
+        self._check_prompt(prompt_ids)
         sampler = make_sampler(params, self.device)
         timings = Timings(load_ms=self.load_ms)
         tok = self.tokenizer
@@ -231,10 +234,9 @@ class Engine:
                     generated.append(t)
                     text = tok.decode(generated, skip_special=True)
                     end = len(text)
-                    if stops:
-                        found = [i for i in (text.find(s, max(0, emitted - hold)) for s in stops) if i >= 0]
-                        if found:
-                            end, finish = min(found), "stop"
+                    cut = first_stop(text, stops, max(0, emitted - hold))
+                    if cut is not None:
+                        end, finish = cut, "stop"
                     if finish is None and len(generated) >= params.max_tokens:
                         finish = "length"
                     if finish is None:
@@ -279,11 +281,7 @@ class Engine:
         if not prompts:
             return []
         for ids in prompts:
-            if not ids:
-                raise MtpllmError("empty prompt: give some text to complete")
-            if len(ids) >= self.n_ctx:
-                raise MtpllmError(f"prompt is {len(ids)} tokens but the context size is {self.n_ctx}: "
-                                  f"shorten the prompt or raise the context size (-c)")
+            self._check_prompt(ids)
         tok = self.tokenizer
         eos = set() if params.ignore_eos else tok.eos_ids
         check_kv_memory(self.model.cfg, sum(min(self.n_ctx, len(ids) + params.max_tokens) for ids in prompts))
@@ -299,6 +297,8 @@ class Engine:
         out: list[list[int]] = [[] for _ in range(B)]
         finish: list[str | None] = ["length" if params.max_tokens == 0 else None] * B
         cut_texts: list[str | None] = [None] * B  # output text cut at a stop string
+        seen = [0] * B  # characters of each output already searched for stop strings
+        hold = max((len(s) for s in params.stop), default=1) - 1
         live = [b for b in range(B) if finish[b] is None]
         h = torch.cat(hidden)
         while live:
@@ -312,9 +312,10 @@ class Engine:
                 out[b].append(t)
                 if params.stop:
                     text = tok.decode(out[b], skip_special=True)
-                    cut = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-                    if cut:
-                        cut_texts[b], finish[b] = text[:min(cut)], "stop"
+                    cut = first_stop(text, params.stop, max(0, seen[b] - hold))
+                    seen[b] = len(text.rstrip("\ufffd"))  # a character still incomplete may change
+                    if cut is not None:
+                        cut_texts[b], finish[b] = text[:cut], "stop"
                         continue
                 if len(out[b]) >= params.max_tokens:
                     finish[b] = "length"
@@ -324,8 +325,8 @@ class Engine:
                     nxt.append((row, b, t))
             live = [b for _, b, _ in nxt]
             if live:
-                ids = torch.tensor([t for _, _, t in nxt], dtype=torch.long, device=self.device)
-                h = self.model.decode_batch(ids, [caches[b] for b in live])
+                step = torch.tensor([t for _, _, t in nxt], dtype=torch.long, device=self.device)
+                h = self.model.decode_batch(step, [caches[b] for b in live])
         t2 = time.perf_counter()
         done = []
         for b in range(B):
@@ -334,6 +335,12 @@ class Engine:
                          predicted_n=sum(map(len, out)), predicted_ms=(t2 - t1) * 1e3)
             done.append(Completion(text, out[b], finish[b], tm, len(prompts[b])))
         return done
+
+
+def first_stop(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Where the earliest stop string begins in text[start:] (as an index into text), or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
 
 
 def check_kv_memory(cfg, n_ctx: int) -> int:
