@@ -1,5 +1,6 @@
 """Dequantization of every storage type against straightforward per-block reference code
 (written from the GGML block layouts), and the Q4_K -> int4 kernel mapping."""
+import os
 import numpy as np
 import pytest
 import torch
@@ -396,3 +397,41 @@ def test_gguf_kernel_rejects_mismatched_blocks():
         kernels.gguf_linear(torch.randn(1, 512), [raw], [int(QT.Q8_0)])
     with pytest.raises(RuntimeError, match="no block kernel"):
         kernels.gguf_linear(torch.randn(1, 256), [raw], [int(QT.Q3_K)])
+
+
+_ISA_SCRIPT = """
+import sys, numpy as np, torch
+from mtpllm.runtime import kernels
+assert kernels.available(), kernels.status()
+data = torch.load(sys.argv[1])
+torch.save([kernels.gguf_linear(x, [w], [t]) for x, w, t in data], sys.argv[2])
+print(kernels.status())
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(kernels.isa() != "avx512vnni", reason="the CPU has no AVX-512 VNNI: one build only")
+def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
+    """The AVX-512 VNNI build computes exactly the integers of the AVX2 build (vpdpbusd / vpdpwssd
+    for vpmaddubsw + vpmaddwd + add, no saturation reachable): the same outputs bit for bit, for
+    every type, decoding, verification and prompt-chunk row counts, with an outlier in x (the
+    extremes of the int8 codes)."""
+    import subprocess
+    import sys
+    data = []
+    for i, qtype in enumerate(NATIVE):
+        k = 1024 if qtype in K_QUANTS else 800
+        w = _blocks(_raw(qtype, 37, k, 20 + i))
+        for m in (1, 4, 9, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + i))
+            x[:, 7] *= 30
+            data.append((x, w, int(qtype)))
+    torch.save(data, tmp_path / "in.pt")
+    env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "built (avx2)" in r.stdout
+    assert kernels.status() == "built (avx512vnni)"
+    for (x, w, t), y2 in zip(data, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(kernels.gguf_linear(x, [w], [t]), y2), (t, x.shape)

@@ -10,6 +10,10 @@
 The extension is built with the system C++ compiler through torch.utils.cpp_extension (ninja) into
 the torch extensions cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a
 model is loaded: about 30-90 s once, then a cached load. Needs an x86-64 CPU with AVX2 and FMA.
+Where the CPU also has AVX-512 VNNI (with VL and BW), the same sources are built with it: the
+integer dot products then use its fused instructions, on 256-bit registers, with bit-identical
+results (csrc/gguf_blocks.cpp). The build is named by its instruction set, so a cache shared between
+machines never hands one CPU another's build. MTPLLM_KERNELS_ISA=avx2 forces the AVX2 build.
 
 If it cannot be built or the CPU lacks AVX2, `available()` is False with the reason in `status()`
 and the engine falls back to PyTorch's own int8/int4 kernels and operators (slower).
@@ -30,6 +34,10 @@ _SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.c
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
 # the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+# AVX-512 VNNI for its 256-bit forms (EVEX-encoded vpdpbusd / vpdpwssd); loops the compiler
+# vectorizes itself stay at 256 bits
+_VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"]
+_VNNI_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -46,12 +54,38 @@ def _cpu_has_avx2() -> bool:
     return " avx2 " in flags and " fma " in flags
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for here: "avx512vnni" or "avx2"."""
+    forced = os.environ.get("MTPLLM_KERNELS_ISA", "").lower()
+    if forced:
+        if forced not in ("avx2", "avx512vnni"):
+            raise ValueError(f"MTPLLM_KERNELS_ISA={forced!r}: use avx2 or avx512vnni")
+        return forced
+    return "avx512vnni" if all(f in _cpu_flags() for f in _VNNI_CPU) else "avx2"
+
+
 def _unsupported() -> str | None:
     """Why the kernels cannot be used here without trying to build them, or None."""
     if os.environ.get("MTPLLM_KERNELS", "1") == "0":
         return "disabled by MTPLLM_KERNELS=0"
     if not _cpu_has_avx2():
         return "the CPU has no AVX2/FMA"
+    try:
+        chosen = isa()
+    except ValueError as e:
+        return str(e)
+    if chosen == "avx512vnni" and not all(f in _cpu_flags() for f in _VNNI_CPU):
+        return "MTPLLM_KERNELS_ISA=avx512vnni but the CPU has no AVX-512 VNNI"
     return None
 
 
@@ -74,7 +108,9 @@ def _build() -> None:
         from torch.utils.cpp_extension import load
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(name="mtpllm_cpu_v3", sources=[str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+            vnni = isa() == "avx512vnni"
+            load(name="mtpllm_cpu_v4_" + isa(), sources=[str(s) for s in _SOURCES],
+                 extra_cflags=_FLAGS + (_VNNI_FLAGS if vnni else []),
                  extra_include_paths=[str(_CSRC)], extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
         _state["op"] = torch.ops.mtpllm.q8_linear
         _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
@@ -101,7 +137,7 @@ def available() -> bool:
 
 def status() -> str:
     _ensure()
-    return "built" if "op" in _state else _state.get("reason", "unavailable")
+    return f"built ({isa()})" if "op" in _state else _state.get("reason", "unavailable")
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

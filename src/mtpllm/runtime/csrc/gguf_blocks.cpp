@@ -11,6 +11,12 @@
 // Activations: each row of x is quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
 // Q8_0), then y[m, n] = sum over groups of d_x * scale_w * int_dot(q_x, q_w) + min_w * sum(x_hat).
 //
+// With AVX-512 VNNI (built so where the CPU has it, `kernels.py`), the integer products use its
+// fused dot-product instructions on 256-bit registers: vpdpbusd for 32-weight blocks (the u8 x s8
+// products of 4 weights summed into int32, the offset term as its start value) and vpdpwssd for
+// K-quant groups (the group scale times the pair sums, added). They compute exactly the integers of
+// the AVX2 sequence (no saturation is reachable in either), so both builds give bit-identical results.
+//
 // Every output is computed by one thread in a fixed order from its own row of x only, so a row's
 // result does not depend on how many rows are in the batch or on the thread count: verification of
 // k+1 tokens gives bit-identical logits to k+1 single-token steps.
@@ -26,6 +32,16 @@ using mtpllm::grain_rows;
 using mtpllm::hmax;
 using mtpllm::hsum;
 using mtpllm::quantize_row;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MTPLLM_VNNI 1
+using Off = int32_t;        // -OFF * the sums of 4 codes: the start of vpdpbusd
+constexpr int OFF_PER = 4;
+#else
+#define MTPLLM_VNNI 0
+using Off = int16_t;        // OFF * the sums of pairs of codes, subtracted from vpmaddubsw's pairs
+constexpr int OFF_PER = 2;
+#endif
 
 // GGML type ids
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14;
@@ -57,15 +73,17 @@ inline __m256i bits32(const uint8_t* p) {
 // Q4_K / Q5_K: the 8 groups' 6-bit scales, then their 8 mins, as bytes (ggml's get_scale_min_k4
 // for all 8 groups at once)
 __attribute__((always_inline)) inline __m128i scale_min_bytes_k4(const uint8_t* s) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  constexpr uint32_t km1 = 0x3f3f3f3f, km2 = 0x0f0f0f0f, km3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & km2) | (((u[1] >> 6) & km3) << 4);
-  const uint32_t ua = u[1] & km1;
-  u[1] = (u[2] & km2) | (((u[0] >> 6) & km3) << 4);
-  u[2] = ua;
-  u[0] &= km1;
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  // in vector registers (ten operations instead of ~25 scalar ones and the inserts; reads 16 bytes:
+  // the 12 scale bytes are followed by the codes). Groups j < 4: scale s[j] & 63, min s[j + 4] & 63;
+  // j >= 4: scale s[j + 4] & 15 | (s[j - 4] >> 6) << 4, min s[j + 4] >> 4 | (s[j] >> 6) << 4.
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i L = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i H = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i m1 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+  const __m128i m2 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+  // 16-bit shifts: the bits pulled in from the neighbouring byte are masked off
+  const __m128i lo = _mm_or_si128(_mm_and_si128(L, m1), _mm_and_si128(_mm_srli_epi16(L, 4), m2));
+  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(H, 2), _mm_set1_epi8(0x30)));
 }
 
 // the 8 mins of scale_min_bytes_k4's bytes times -dmin
@@ -203,8 +221,8 @@ struct Act {  // R consecutive quantized rows of x
   const int8_t* q;   // [R, K]
   const float* d;    // [R, K/32]
   const float* s;    // [R, K/32]: d * sum of codes per block
-  const int16_t* o4; // [R, K/2]: 8 * the sums of pairs of codes (for Q4_0), or null
-  const int16_t* o5; // [R, K/2]: 16 * the sums of pairs of codes (for Q5_0), or null
+  const Off* o4;     // [R, K/OFF_PER]: the offset terms for Q4_0 (OFF = 8), or null (see Off)
+  const Off* o5;     // [R, K/OFF_PER]: the same for Q5_0 (OFF = 16)
   int64_t K, nb;
 };
 
@@ -229,12 +247,19 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
       const __m256i aw = T::SIGNED ? _mm256_sign_epi8(w, w) : w;
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 32));
-        __m256i p = _mm256_maddubs_epi16(aw, T::SIGNED ? _mm256_sign_epi8(xv, w) : xv);
-        if (T::OFF) {  // minus OFF * sum(x), by pairs (|u . x| <= 7874, |16 * pair| <= 4064: no overflow)
-          const int16_t* o = T::OFF == 8 ? a.o4 : a.o5;
-          p = _mm256_sub_epi16(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + r * (a.K / 2) + i * 16)));
-        }
+        const __m256i xs = T::SIGNED ? _mm256_sign_epi8(xv, w) : xv;
+        const Off* o = T::OFF == 8 ? a.o4 : a.o5;
+        const __m256i ov = T::OFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + r * (a.K / OFF_PER) + i * (32 / OFF_PER)))
+                                  : _mm256_setzero_si256();
+#if MTPLLM_VNNI
+        const __m256i p = _mm256_dpbusd_epi32(ov, aw, xs);  // (-OFF * sum(x) +) u . x by 4
+        (void)ones;
+#else
+        // minus OFF * sum(x), by pairs (|u . x| <= 7874, |16 * pair| <= 4064: no overflow)
+        __m256i p = _mm256_maddubs_epi16(aw, xs);
+        if (T::OFF) p = _mm256_sub_epi16(p, ov);
         p = _mm256_madd_epi16(p, ones);
+#endif
         // d_x broadcast from memory (a load, not a shuffle), times the block's d_w
         ac[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sw, _mm256_broadcast_ss(a.d + r * a.nb + i)), ac[r]);
         if (T::MIN) mins[r] += mn * a.s[r * a.nb + i];
@@ -337,7 +362,9 @@ template <> struct SbOf<TQ6_K> { using type = SbQ6; };
 // blocking, so results do not depend on the batch. (One weight row per tile: measured faster on
 // AVX2 than 2 x 4, whose accumulators leave no registers for the codes and scales.)
 template <class S, int RM>
-inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m256* acc) {
+inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m256* acc_out) {
+  __m256 acc[RM];  // in registers for the whole loop (acc_out may alias nothing, but the compiler cannot know)
+  for (int r = 0; r < RM; ++r) acc[r] = acc_out[r];
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* b = row + i * S::BYTES;
     for (int o = 0; o < S::BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
@@ -351,14 +378,20 @@ inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m
       const __m256i w = sb.code(g), sc = sb.scale(g);
       for (int r = 0; r < RM; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * a.K + 32 * g));
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc));
+        __m256i& s = sumi[r];
+#if MTPLLM_VNNI
+        s = _mm256_dpwssd_epi32(s, _mm256_maddubs_epi16(w, xv), sc);
+#else
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc));
+#endif
         // keep each sum in its register: otherwise the compiler reassociates the integer sums into
         // a tree and spills every product to the stack
-        __asm__("" : "+x"(sumi[r]));
+        __asm__("" : "+x"(s));
       }
     }
     for (int r = 0; r < RM; ++r) sb.finish(acc[r], sumi[r], a, r, i);
   }
+  for (int r = 0; r < RM; ++r) acc_out[r] = acc[r];
 }
 
 // Quantize one row of K floats (K % 256 == 0) per 256: d[K/256], s[K/32] = d * sum of codes per
@@ -443,8 +476,8 @@ void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const 
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t t = std::min<int64_t>(4, M - m);
         float* o = y + m * ldy + n;
-        const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, x.o4 ? x.o4 + m * K / 2 : nullptr,
-                    x.o5 ? x.o5 + m * K / 2 : nullptr, K, nb};
+        const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, x.o4 ? x.o4 + m * K / OFF_PER : nullptr,
+                    x.o5 ? x.o5 + m * K / OFF_PER : nullptr, K, nb};
         switch (t) {
           case 4: dot_row<T, 4>(wr, a, o, ldy); break;
           case 3: dot_row<T, 3>(wr, a, o, ldy); break;
@@ -551,16 +584,28 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   std::vector<int8_t> xq(any_32 ? M * K : 0), kq(any_k ? M * K : 0);
   std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
       ks(any_k ? M * nb : 0);
-  std::vector<int16_t> kb(any_k ? M * K / 16 : 0), o4(any_q4 ? M * K / 2 : 0), o5(any_q5 ? M * K / 2 : 0);
+  std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
+  std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
-      if (any_q4 || any_q5) {  // 8 and 16 times the sums of pairs of codes
+      if (any_q4 || any_q5) {  // the offset terms (see Off): 8 and 16 times sums of codes
         const __m256i one = _mm256_set1_epi8(1);
         for (int64_t j = 0; j < nb; ++j) {
-          const __m256i c = _mm256_maddubs_epi16(one, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + 32 * j)));
-          if (any_q4) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o4.data() + m * K / 2 + 16 * j), _mm256_slli_epi16(c, 3));
-          if (any_q5) _mm256_storeu_si256(reinterpret_cast<__m256i*>(o5.data() + m * K / 2 + 16 * j), _mm256_slli_epi16(c, 4));
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + 32 * j));
+#if MTPLLM_VNNI
+          const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), one, xv));
+          auto put = [&](Off* o, int sh) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + m * K / OFF_PER + 8 * j), _mm256_slli_epi32(c, sh));
+          };
+#else
+          const __m256i c = _mm256_maddubs_epi16(one, xv);
+          auto put = [&](Off* o, int sh) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + m * K / OFF_PER + 16 * j), _mm256_slli_epi16(c, sh));
+          };
+#endif
+          if (any_q4) put(o4.data(), 3);
+          if (any_q5) put(o5.data(), 4);
         }
       }
       if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
