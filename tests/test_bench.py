@@ -27,22 +27,22 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
     png = tmp_path / "bench.png"
     saved = tmp_path / "bench.json"
     rc = main(["bench", "-m", str(bench_model), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "--warmup", "0",
-               "--spec", "none,mtp:1,mtp:2,ngram:2", "-o", "json", "--save", str(saved), "--plot", str(png)])
+               "--spec", "none,mtp:1,mtp:2,ngram:2,ngram:3+mtp:1", "-o", "json", "--save", str(saved), "--plot", str(png)])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     _validate(rep)
     assert json.loads(saved.read_text()) == rep
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = rep["rows"]
-    assert len(rows) == 2 * 4  # depths x spec methods
-    assert [r["spec"] for r in rows[:4]] == ["none", "mtp:1", "mtp:2", "ngram:2"]
+    assert len(rows) == 2 * 5  # depths x spec methods
+    assert [r["spec"] for r in rows[:5]] == ["none", "mtp:1", "mtp:2", "ngram:2", "ngram:3+mtp:1"]
     c = rep["conditions"]
     assert c["models"][0]["path"] == str(bench_model) and len(c["models"][0]["sha256"]) == 64
     assert c["sampling"] == "greedy" and c["torch"] and c["cpu"]
     for r in rows:
         # synthetic prompts ignore EOS; after a depth prefix MTP re-evaluates the prefix's last token
         # (the head's entry there needs the next token, which the prefix did not have)
-        mtp_extra = 1 if r["depth"] and r["spec"].startswith("mtp") else 0
+        mtp_extra = 1 if r["depth"] and "mtp" in r["spec"] else 0
         assert r["gen_tokens"] == 4 and r["prompt_tokens"] == 16 + mtp_extra
         assert r["decode_tps"]["mean"] > 0 and r["prefill_tps"]["mean"] > 0 and r["peak_rss_mib"] > 0
         if r["spec"] == "none":
@@ -65,7 +65,8 @@ def test_bench_real_prompt_sets_and_formats(bench_model, capsys):
 
 
 @pytest.mark.parametrize("spec,err", [("mtp:0", "1..16"), ("mtp:x", "not an integer"), ("eagle", "unknown method"),
-                                      ("draft:", "expected draft:MODEL")])
+                                      ("draft:", "expected draft:MODEL"), ("ngram:2+none", "a chain is two"),
+                                      ("ngram+mtp+ngram", "a chain is two")])
 def test_bad_spec_is_a_clear_error(spec, err):
     with pytest.raises(MtpllmError, match=err):
         parse_spec(spec)
@@ -75,6 +76,7 @@ def test_spec_parsing():
     assert parse_spec("none") == ("none", "none", 0, None)
     assert parse_spec("mtp") == ("mtp:3", "mtp", 3, None)
     assert parse_spec("ngram:2") == ("ngram:2", "ngram", 2, None)
+    assert parse_spec("ngram:4+mtp:1") == ("ngram:4+mtp:1", "chain", 4, None)
     assert parse_spec("draft:/x/y.gguf:4") == ("draft:y.gguf:4", "draft_model", 4, "/x/y.gguf")
     assert parse_spec("draft:qwen2.5-coder-0.5b") == ("draft:qwen2.5-coder-0.5b:3", "draft_model", 3,
                                                        "qwen2.5-coder-0.5b")

@@ -293,3 +293,56 @@ def test_p_min_stops_drafting(target):
     assert out.tokens == ref.tokens
     # a random head is never 99.9% sure: drafting stops early, so few draft tokens are checked
     assert out.stats.num_draft_tokens < len(out.tokens)
+
+
+# ------------------------------------------------------------------ chains (n-gram first, MTP otherwise)
+@pytest.mark.parametrize("k_ngram,k_mtp", [(3, 1), (4, 2), (1, 3)])
+def test_chain_ngram_then_mtp_keeps_greedy_identity(target, k_ngram, k_mtp):
+    """Both members draft in one generation (lookup on the repeats, MTP elsewhere), each within its
+    own draft length; the MTP head's cache stays in step across the steps it did not draft."""
+    ref = _plain(target, GREEDY)
+    cfg = SpecConfig("ngram", k_ngram, fallback=SpecConfig("mtp", k_mtp))
+    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+    assert out.tokens == ref.tokens
+    m = out.stats.members
+    assert set(m) == {"ngram", "mtp"} and m["ngram"][0] > 0 and m["mtp"][0] > 0
+    assert m["ngram"][0] + m["mtp"][0] == out.stats.num_drafts
+    assert m["ngram"][1] <= k_ngram * m["ngram"][0] and m["mtp"][1] <= k_mtp * m["mtp"][0]
+    assert "ngram:" in out.stats.summary() and out.stats.to_dict()["members"]["mtp"]["drafts"] == m["mtp"][0]
+    # the same engine and chain again (prefix reuse of the trunk and the head's caches)
+    again = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+    assert again.tokens == ref.tokens
+
+
+def test_chain_sampling_runs(peaky, tiny_mtp):
+    e = Engine.load(str(tiny_mtp), n_ctx=64)
+    cfg = SpecConfig("ngram", 3, fallback=SpecConfig("mtp", 2))
+    out = e.generate(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(**dict(SAMPLED, max_tokens=30, seed=3)),
+                     speculative=cfg.build(e))
+    assert len(out.tokens) == 30 and out.stats.num_drafts > 0
+
+
+def test_chain_configuration(target):
+    import argparse
+    from mtpllm.speculative.config import add_spec_args, spec_from_args
+    ap = argparse.ArgumentParser()
+    add_spec_args(ap)
+    cfg = spec_from_args(ap.parse_args(["--spec-type", "ngram-simple,draft-mtp", "--spec-draft-n-max", "4",
+                                        "--spec-fallback-n-max", "1"]))
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.fallback.method, cfg.fallback.num_speculative_tokens) == \
+        ("ngram", 4, "mtp", 1)
+    js = parse_speculative_json('{"method":"ngram","num_speculative_tokens":4,'
+                                '"fallback":{"method":"mtp","num_speculative_tokens":1}}')
+    assert js.label() == "ngram:4+mtp:1"
+    for args, msg in [(["--spec-type", "draft-mtp,ngram-simple"], "only n-gram lookup can come first"),
+                      (["--spec-type", "ngram-simple,ngram-simple"], "must differ"),
+                      (["--spec-type", "ngram-simple,draft-mtp,draft-simple"], "two types at most"),
+                      (["--spec-type", "draft-mtp", "--spec-fallback-n-max", "2"], "needs a chain"),
+                      (["--spec-type", "ngram-simple", "--spec-mtp-head", "x.gguf"], "is for draft-mtp"),
+                      (["--spec-type", "ngram-simple,draft-mtp", "--spec-fallback-n-max", "0"], "num_speculative_tokens")]:
+        with pytest.raises(MtpllmError, match=msg):
+            spec_from_args(ap.parse_args(args))
+    inner = SpecConfig("mtp")
+    inner.fallback = SpecConfig("ngram")
+    with pytest.raises(MtpllmError, match="two members at most"):
+        SpecConfig("ngram", fallback=inner)

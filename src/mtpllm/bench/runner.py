@@ -34,8 +34,14 @@ def _int_list(s: str) -> list[int]:
 
 
 def parse_spec(s: str) -> tuple[str, str, int, str | None]:
-    """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]' -> (label, method, k, draft model)."""
+    """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]' -> (label, method, k, draft model);
+    'ngram[:k]+mtp[:k]' (a chain: lookup where it matches, MTP otherwise) -> method 'chain'."""
     s = s.strip()
+    if "+" in s:
+        parts = [parse_spec(p) for p in s.split("+")]
+        if len(parts) != 2 or "none" in [p[1] for p in parts]:
+            raise MtpllmError(f"--spec {s}: a chain is two methods, e.g. ngram:4+mtp:1")
+        return "+".join(p[0] for p in parts), "chain", max(p[2] for p in parts), None
     if s in ("none", "off", ""):
         return "none", "none", 0, None
     parts = s.split(":")
@@ -77,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row (default 5)")
     ap.add_argument("-t", "--threads", type=_int_list, default=None, help="threads, comma-separated")
     ap.add_argument("--spec", default="none",
-                    help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k]")
+                    help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k], "
+                         "or a chain ngram[:k]+mtp[:k] (lookup where it matches, MTP otherwise)")
     ap.add_argument("--prompts", default="synthetic",
                     help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
@@ -256,10 +263,18 @@ def main(argv: list[str]) -> int:
             engine = Engine.load(str(path), n_ctx=n_ctx, mode="f32" if a.dequantize else "fast", threads=threads,
                                  device=a.device)
             built = {}
-            for label, method, k, draft in specs:
+            def config(label: str) -> SpecConfig:
+                if "+" in label:
+                    first, second = (config(p) for p in label.split("+"))
+                    first.fallback = second
+                    first.__post_init__()
+                    return first
+                _, method, k, draft = parse_spec(label)
+                return SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
+                                  mtp_head=a.mtp_head if method == "mtp" else None)
+            for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):
                 if method != "none":  # build every proposer before measuring: bad input fails fast
-                    built[label] = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
-                                              mtp_head=a.mtp_head if method == "mtp" else None).build(engine)
+                    built[label] = config(spec_text.strip()).build(engine)
             for ps in sets:
                 for n_prompt in prompt_sizes(ps):
                     for n_gen in a.n_gen:

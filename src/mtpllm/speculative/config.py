@@ -26,6 +26,9 @@ class SpecConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = False
+    # a second method for the steps where this one has no draft (a chain: n-gram lookup first, MTP
+    # otherwise), with its own draft length
+    fallback: "SpecConfig | None" = None
 
     def __post_init__(self):
         m = self.method
@@ -47,10 +50,36 @@ class SpecConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise MtpllmError(f"prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
+        fb = self.fallback
+        if fb is not None:
+            if fb.fallback is not None:
+                raise MtpllmError("a chain of speculative methods has two members at most")
+            if fb.method == m:
+                raise MtpllmError(f"the fallback method must differ from the first one ({m})")
+            if m != "ngram":
+                # MTP and draft models always draft: a member after them would never be asked
+                raise MtpllmError(f"only n-gram lookup can come first in a chain ({m} always has a draft)")
+
+    def label(self) -> str:
+        own = f"{self.method}:{self.num_speculative_tokens}"
+        return own if self.fallback is None else f"{own}+{self.fallback.label()}"
 
     def build(self, engine):
         """The speculative decoder for this config on a loaded engine (loads draft model / MTP head)."""
         from .verifier import SpeculativeDecoder
+        prop = self._proposer(engine)
+        if self.fallback is not None:
+            from .chain import ChainProposer
+            fb = self.fallback
+            prop = ChainProposer([prop, fb._proposer(engine)], [self.num_speculative_tokens, fb.num_speculative_tokens],
+                                 [self.method, fb.method])
+            cfg = SpecConfig(**{**self.__dict__, "fallback": None})
+            cfg.num_speculative_tokens = max(self.num_speculative_tokens, fb.num_speculative_tokens)
+            cfg.min_speculative_tokens = min(cfg.min_speculative_tokens, cfg.num_speculative_tokens)
+            return SpeculativeDecoder(prop, cfg)
+        return SpeculativeDecoder(prop, self)
+
+    def _proposer(self, engine):
         if self.method == "ngram":
             from .ngram import NgramProposer
             prop = NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
@@ -60,19 +89,24 @@ class SpecConfig:
         else:
             from .mtp import MTPProposer
             prop = MTPProposer.for_engine(engine, self.mtp_head)
-        return SpeculativeDecoder(prop, self)
+        return prop
 
 
 _JSON_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-              "draft_p_min", "min_speculative_tokens", "adaptive", "mtp_head"}
+              "draft_p_min", "min_speculative_tokens", "adaptive", "mtp_head", "fallback"}
 
 
 def parse_speculative_json(text: str) -> SpecConfig:
-    """vLLM's `--speculative-config` schema: {"method": ..., "num_speculative_tokens": N, ...}."""
+    """vLLM's `--speculative-config` schema: {"method": ..., "num_speculative_tokens": N, ...}, plus
+    "fallback": {another such object} for a chain (n-gram lookup first, e.g. MTP otherwise)."""
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
         raise MtpllmError(f"--speculative: invalid JSON ({exc.msg} at column {exc.colno}): {text!r}") from None
+    return _spec_from_dict(d)
+
+
+def _spec_from_dict(d) -> SpecConfig:
     if not isinstance(d, dict):
         raise MtpllmError(f"--speculative: expected a JSON object, got {type(d).__name__}")
     unknown = sorted(set(d) - _JSON_KEYS)
@@ -87,7 +121,8 @@ def parse_speculative_json(text: str) -> SpecConfig:
         min_speculative_tokens=d.get("min_speculative_tokens", 1), p_min=d.get("draft_p_min", 0.0),
         draft_model=d.get("model"), mtp_head=d.get("mtp_head"),
         prompt_lookup_min=d.get("prompt_lookup_min", 1), prompt_lookup_max=d.get("prompt_lookup_max", 4),
-        adaptive=bool(d.get("adaptive", False)))
+        adaptive=bool(d.get("adaptive", False)),
+        fallback=_spec_from_dict(d["fallback"]) if d.get("fallback") is not None else None)
 
 
 def add_spec_args(ap: argparse.ArgumentParser) -> None:
@@ -95,9 +130,12 @@ def add_spec_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", "--speculative-config", dest="speculative", default=None, metavar="JSON",
                    help='vLLM-style, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     g.add_argument("--spec-type", default=None, metavar="TYPE",
-                   help="llama.cpp-style: none | draft-mtp | draft-simple | ngram-simple")
+                   help="llama.cpp-style: none | draft-mtp | draft-simple | ngram-simple; two as a chain, "
+                        "e.g. ngram-simple,draft-mtp (lookup where it finds a match, MTP otherwise)")
     g.add_argument("--spec-draft-n-max", type=int, default=None, help="max draft tokens per step (default 3)")
     g.add_argument("--spec-draft-n-min", type=int, default=None, help="min draft tokens per step (default 1)")
+    g.add_argument("--spec-fallback-n-max", type=int, default=None,
+                   help="max draft tokens of the second type of a chain (default: --spec-draft-n-max)")
     g.add_argument("--spec-draft-p-min", type=float, default=None,
                    help="stop drafting when the draft's top probability is below this (default 0)")
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
@@ -122,36 +160,54 @@ def spec_from_args(a) -> SpecConfig | None:
                 hint = " (the name is draft-mtp)" if t == "mtp" else ""
                 raise MtpllmError(f"--spec-type: unknown type '{t}'{hint}; known: {', '.join(LLAMA_SPEC_TYPES)}")
         types = [t for t in types if LLAMA_SPEC_TYPES[t]]
-        if len(types) > 1:
-            raise MtpllmError("--spec-type: chaining several types is not supported yet; give one")
+        if len(types) > 2:
+            raise MtpllmError("--spec-type: a chain has two types at most (e.g. ngram-simple,draft-mtp)")
         if types:
             if cfg is not None and cfg.method != LLAMA_SPEC_TYPES[types[0]]:
                 raise MtpllmError("--spec-type and --speculative name different methods")
-            cfg = cfg or SpecConfig(method=LLAMA_SPEC_TYPES[types[0]],
-                                    draft_model=a.spec_draft_model if types[0] == "draft-simple" else None)
+
+            def one(t: str) -> SpecConfig:
+                return SpecConfig(method=LLAMA_SPEC_TYPES[t], draft_model=a.spec_draft_model if t == "draft-simple" else None)
+            cfg = cfg or one(types[0])
+            if len(types) == 2:
+                cfg.fallback = one(types[1])
         elif cfg is None:
             return None
     elif cfg is None and a.spec_draft_model:
         cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
     if cfg is None:
-        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_mtp_head]
+        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_mtp_head, a.spec_fallback_n_max]
         if any(f is not None for f in flags) or a.spec_adaptive:
             raise MtpllmError("speculative options given without a method: add --spec-type or --speculative")
         return None
+    if a.spec_fallback_n_max is not None and cfg.fallback is None:
+        raise MtpllmError("--spec-fallback-n-max needs a chain of two types (e.g. --spec-type ngram-simple,draft-mtp)")
     if a.spec_draft_n_max is not None:
         cfg.num_speculative_tokens = a.spec_draft_n_max
+        if cfg.fallback is not None:
+            cfg.fallback.num_speculative_tokens = a.spec_draft_n_max
+    if a.spec_fallback_n_max is not None:
+        cfg.fallback.num_speculative_tokens = a.spec_fallback_n_max
     if a.spec_draft_n_min is not None:
         cfg.min_speculative_tokens = a.spec_draft_n_min
     if a.spec_draft_p_min is not None:
         cfg.p_min = a.spec_draft_p_min
-    if a.spec_draft_model and cfg.method == "draft_model":
-        cfg.draft_model = a.spec_draft_model
-    if a.spec_mtp_head:
-        cfg.mtp_head = a.spec_mtp_head
+    if a.spec_mtp_head and "mtp" not in (cfg.method, cfg.fallback.method if cfg.fallback else None):
+        raise MtpllmError("--spec-mtp-head is for draft-mtp: add it to --spec-type")
+    for c in (cfg, cfg.fallback):
+        if c is None:
+            continue
+        if a.spec_draft_model and c.method == "draft_model":
+            c.draft_model = a.spec_draft_model
+        if a.spec_mtp_head and c.method == "mtp":
+            c.mtp_head = a.spec_mtp_head
+        c.p_min = cfg.p_min
     if a.spec_ngram_min is not None:
         cfg.prompt_lookup_min = a.spec_ngram_min
     if a.spec_ngram_max is not None:
         cfg.prompt_lookup_max = a.spec_ngram_max
     cfg.adaptive = cfg.adaptive or a.spec_adaptive
+    if cfg.fallback is not None:
+        cfg.fallback.__post_init__()
     cfg.__post_init__()
     return cfg

@@ -239,5 +239,9 @@ class MTPProposer:
         return drafts, qs
 
     def accept(self, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
+        if self.pending_h is not None and self.pending_start == self.cache.length:
+            # this step's draft came from another proposer of a chain: keep the earlier states too
+            self.pending_h = torch.cat([self.pending_h, target_hidden])
+            return
         self.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
         self.pending_start = self.cache.length

@@ -33,6 +33,8 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    # a chain of proposers: per member, [steps it drafted, draft tokens, accepted tokens]
+    members: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,9 +50,14 @@ class SpecStats:
         """Fraction of steps that drafted position i whose draft i was accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
+    def record(self, n_drafted: int, n_accepted: int, member: str | None = None) -> None:
         if n_drafted == 0:
             return
+        if member is not None:
+            m = self.members.setdefault(member, [0, 0, 0])
+            m[0] += 1
+            m[1] += n_drafted
+            m[2] += n_accepted
         self.num_drafts += 1
         self.num_draft_tokens += n_drafted
         self.num_accepted_tokens += n_accepted
@@ -69,6 +76,10 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.draft_ms += other.draft_ms
         self.verify_ms += other.verify_ms
+        for name, counts in other.members.items():
+            m = self.members.setdefault(name, [0, 0, 0])
+            for i in range(3):
+                m[i] += counts[i]
         for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
             if i >= len(self.drafted_per_pos):
                 self.drafted_per_pos.append(0)
@@ -81,14 +92,17 @@ class SpecStats:
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "per_position_acceptance": self.per_position_acceptance,
-                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms}
+                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
+                **({"members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v))
+                                for k, v in self.members.items()}} if self.members else {})}
 
     def summary(self) -> str:
         pos = " ".join(f"{r:.2f}" for r in self.per_position_acceptance)
+        chain = "".join(f"; {k}: {v[0]} drafts, {v[2]}/{v[1]} accepted" for k, v in self.members.items())
         return (f"{'speculative':>16} = {self.num_drafts} drafts, {self.num_accepted_tokens}/{self.num_draft_tokens} "
                 f"accepted ({100 * self.acceptance_rate:.1f}%), mean acceptance length "
                 f"{self.mean_acceptance_length:.2f}, per position [{pos}], draft {self.draft_ms:.0f} ms, "
-                f"verify {self.verify_ms:.0f} ms")
+                f"verify {self.verify_ms:.0f} ms{chain}")
 
 
 def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
@@ -196,7 +210,7 @@ class SpeculativeDecoder:
             history.extend(new)
             prop.accept(history, n, hidden[: n + 1])
             t3 = time.perf_counter()
-            stats.record(len(drafts), n)
+            stats.record(len(drafts), n, getattr(prop, "last", None))
             stats.draft_ms += (t1 - t0 + t3 - t2) * 1e3
             stats.verify_ms += (t2 - t1) * 1e3
             if cfg.adaptive and drafts:
