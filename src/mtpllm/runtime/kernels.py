@@ -104,21 +104,27 @@ def _build() -> None:
     bindir = os.path.dirname(sys.executable)
     if os.path.exists(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        from torch.utils.cpp_extension import load
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            vnni = isa() == "avx512vnni"
-            load(name="mtpllm_cpu_v4_" + isa(), sources=[str(s) for s in _SOURCES],
-                 extra_cflags=_FLAGS + (_VNNI_FLAGS if vnni else []),
-                 extra_include_paths=[str(_CSRC)], extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
-        _state["op"] = torch.ops.mtpllm.q8_linear
-        _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
-        _state["gguf_dequantize"] = torch.ops.mtpllm.gguf_dequantize
-        _state["rms_norm"] = torch.ops.mtpllm.rms_norm
-        _state["attend_cached"] = torch.ops.mtpllm.attend_cached
-    except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
-        _state["reason"] = f"could not build the CPU kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
+    chosen = isa()
+    # a compiler too old for AVX-512 VNNI gets the AVX2 build rather than no kernels at all
+    tries = [chosen] + (["avx2"] if chosen != "avx2" and not os.environ.get("MTPLLM_KERNELS_ISA") else [])
+    for name in tries:
+        try:
+            from torch.utils.cpp_extension import load
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load(name="mtpllm_cpu_v4_" + name, sources=[str(s) for s in _SOURCES],
+                     extra_cflags=_FLAGS + (_VNNI_FLAGS if name == "avx512vnni" else []),
+                     extra_include_paths=[str(_CSRC)], extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+            _state["op"] = torch.ops.mtpllm.q8_linear
+            _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
+            _state["gguf_dequantize"] = torch.ops.mtpllm.gguf_dequantize
+            _state["rms_norm"] = torch.ops.mtpllm.rms_norm
+            _state["attend_cached"] = torch.ops.mtpllm.attend_cached
+            _state["isa"] = name
+            return
+        except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
+            msg = str(e).strip()
+            _state["reason"] = f"could not build the CPU kernels ({type(e).__name__}: {msg.splitlines()[-1][:200] if msg else ''})"
 
 
 def _ensure() -> None:
@@ -137,7 +143,7 @@ def available() -> bool:
 
 def status() -> str:
     _ensure()
-    return f"built ({isa()})" if "op" in _state else _state.get("reason", "unavailable")
+    return f"built ({_state['isa']})" if "op" in _state else _state.get("reason", "unavailable")
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

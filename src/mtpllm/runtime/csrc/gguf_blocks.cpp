@@ -102,6 +102,18 @@ inline __m256 scales_mins_k4(const uint8_t* s, float d, float dmin, float* sc) {
 // (super-)block in order: w = scale * code + min, with `scale` an __m256 whose lanes 0-3 scale codes
 // 0..15 and lanes 4-7 codes 16..31 (one value for both halves except Q6_K). Types with VMIN give
 // the mins of all 8 groups of a super-block at once, fm(__m256), before the groups (min = 0 in f).
+#if MTPLLM_VNNI
+// With vpdpbusd (no 16-bit saturation) Q8_0 codes are used unsigned too, w + 128 (a flip of the
+// top bit), with 128 * sum(x) taken off through the start value like Q4_0/Q5_0: no sign shuffles
+struct TQ8_0 {
+  static constexpr int QK = 32, BYTES = 34, OFF = 128;
+  static constexpr bool SIGNED = false, MIN = false, VMIN = false, KQ = false;
+  template <class F, class FM> static inline void each(const uint8_t* b, F&& f, FM&&) {
+    const float d = f16(b);
+    f(0, _mm256_xor_si256(loadu(b + 2), _mm256_set1_epi8(static_cast<char>(0x80))), _mm256_set1_ps(d), -OFF * d);
+  }
+};
+#else
 struct TQ8_0 {
   static constexpr int QK = 32, BYTES = 34, OFF = 0;
   static constexpr bool SIGNED = true, MIN = false, VMIN = false, KQ = false;
@@ -109,6 +121,7 @@ struct TQ8_0 {
     f(0, loadu(b + 2), _mm256_set1_ps(f16(b)), 0.0f);
   }
 };
+#endif
 // Q4_0 and Q5_0 codes are used unsigned (0..15, 0..31) with the offset (8, 16) taken off in the
 // integer sum: w = d * (u - 8), and u . x - 8 * sum(x) is maddubs(u, x) minus 8 times x's pair sums
 // (precomputed per row, `Act::o4`/`o5`): one subtraction per row instead of a sign shuffle or a
@@ -223,6 +236,7 @@ struct Act {  // R consecutive quantized rows of x
   const float* s;    // [R, K/32]: d * sum of codes per block
   const Off* o4;     // [R, K/OFF_PER]: the offset terms for Q4_0 (OFF = 8), or null (see Off)
   const Off* o5;     // [R, K/OFF_PER]: the same for Q5_0 (OFF = 16)
+  const Off* o8;     // [R, K/OFF_PER]: the same for Q8_0 (OFF = 128, VNNI builds only)
   int64_t K, nb;
 };
 
@@ -248,7 +262,7 @@ inline void dot_row(const uint8_t* row, const Act& a, float* out, int64_t os) {
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * a.K + i * 32));
         const __m256i xs = T::SIGNED ? _mm256_sign_epi8(xv, w) : xv;
-        const Off* o = T::OFF == 8 ? a.o4 : a.o5;
+        const Off* o = T::OFF == 8 ? a.o4 : T::OFF == 16 ? a.o5 : a.o8;
         const __m256i ov = T::OFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + r * (a.K / OFF_PER) + i * (32 / OFF_PER)))
                                   : _mm256_setzero_si256();
 #if MTPLLM_VNNI
@@ -477,7 +491,7 @@ void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const 
         const int64_t t = std::min<int64_t>(4, M - m);
         float* o = y + m * ldy + n;
         const Act a{x.q + m * K, x.d + m * nb, x.s + m * nb, x.o4 ? x.o4 + m * K / OFF_PER : nullptr,
-                    x.o5 ? x.o5 + m * K / OFF_PER : nullptr, K, nb};
+                    x.o5 ? x.o5 + m * K / OFF_PER : nullptr, x.o8 ? x.o8 + m * K / OFF_PER : nullptr, K, nb};
         switch (t) {
           case 4: dot_row<T, 4>(wr, a, o, ldy); break;
           case 3: dot_row<T, 3>(wr, a, o, ldy); break;
@@ -572,24 +586,25 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   }
   const int64_t N = off.back();
   at::Tensor y = at::empty({M, N}, x.options());
-  bool any_k = false, any_32 = false, any_q4 = false, any_q5 = false;
+  bool any_k = false, any_32 = false, any_q4 = false, any_q5 = false, any_q8 = false;
   for (size_t i = 0; i < ws.size(); ++i) {
     const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K;
     any_k |= k;
     any_32 |= !k;
     any_q4 |= types[i] == Q4_0;
     any_q5 |= types[i] == Q5_0;
+    any_q8 |= TQ8_0::OFF && types[i] == Q8_0;
   }
   const float* xp = x.data_ptr<float>();
   std::vector<int8_t> xq(any_32 ? M * K : 0), kq(any_k ? M * K : 0);
   std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
       ks(any_k ? M * nb : 0);
   std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
-  std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0);
+  std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0), o8(any_q8 ? M * K / OFF_PER : 0);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
-      if (any_q4 || any_q5) {  // the offset terms (see Off): 8 and 16 times sums of codes
+      if (any_q4 || any_q5 || any_q8) {  // the offset terms (see Off): 8, 16, 128 times sums of codes
         const __m256i one = _mm256_set1_epi8(1);
         for (int64_t j = 0; j < nb; ++j) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.data() + m * K + 32 * j));
@@ -606,13 +621,15 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
 #endif
           if (any_q4) put(o4.data(), 3);
           if (any_q5) put(o5.data(), 4);
+          if (any_q8) put(o8.data(), 7);
         }
       }
       if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
                                 kb.data() + m * K / 16);
     }
   });
-  const Act a{xq.data(), xd.data(), xs.data(), any_q4 ? o4.data() : nullptr, any_q5 ? o5.data() : nullptr, K, nb};
+  const Act a{xq.data(), xd.data(), xs.data(), any_q4 ? o4.data() : nullptr, any_q5 ? o5.data() : nullptr,
+              any_q8 ? o8.data() : nullptr, K, nb};
   const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain_rows(K, M), [&](int64_t n0, int64_t n1) {
