@@ -296,16 +296,18 @@ def test_p_min_stops_drafting(target):
 
 
 # ------------------------------------------------------------------ chains (n-gram first, MTP otherwise)
-@pytest.mark.parametrize("k_ngram,k_mtp", [(3, 1), (4, 2), (1, 3)])
-def test_chain_ngram_then_mtp_keeps_greedy_identity(target, k_ngram, k_mtp):
+@pytest.mark.parametrize("k_ngram,k_mtp,lookup_min", [(3, 1, None), (4, 2, 1), (1, 3, 1)])
+def test_chain_ngram_then_mtp_keeps_greedy_identity(target, k_ngram, k_mtp, lookup_min):
     """Both members draft in one generation (lookup on the repeats, MTP elsewhere), each within its
     own draft length; the MTP head's cache stays in step across the steps it did not draft."""
     ref = _plain(target, GREEDY)
-    cfg = SpecConfig("ngram", k_ngram, fallback=SpecConfig("mtp", k_mtp))
+    cfg = SpecConfig("ngram", k_ngram, prompt_lookup_min=lookup_min, fallback=SpecConfig("mtp", k_mtp))
     out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
     assert out.tokens == ref.tokens
     m = out.stats.members
-    assert set(m) == {"ngram", "mtp"} and m["ngram"][0] > 0 and m["mtp"][0] > 0
+    # with 1-token matches lookup finds some in the tiny model's output; 3-token ones it may not
+    assert set(m) == {"ngram", "mtp"} if lookup_min == 1 else "mtp" in m
+    m.setdefault("ngram", [0, 0, 0])
     assert m["ngram"][0] + m["mtp"][0] == out.stats.num_drafts
     assert m["ngram"][1] <= k_ngram * m["ngram"][0] and m["mtp"][1] <= k_mtp * m["mtp"][0]
     assert "ngram:" in out.stats.summary() and out.stats.to_dict()["members"]["mtp"]["drafts"] == m["mtp"][0]
@@ -342,6 +344,12 @@ def test_chain_configuration(target):
                       (["--spec-type", "ngram-simple,draft-mtp", "--spec-fallback-n-max", "0"], "num_speculative_tokens")]:
         with pytest.raises(MtpllmError, match=msg):
             spec_from_args(ap.parse_args(args))
+    # lookup in a chain needs a 3-token match unless told otherwise; alone it takes 1 (vLLM's default)
+    chain = SpecConfig("ngram", 3, fallback=SpecConfig("mtp", 1)).build(target).proposer
+    assert chain.proposers[0].n_min == 3
+    assert SpecConfig("ngram", 3, prompt_lookup_min=1, fallback=SpecConfig("mtp", 1)).build(target).proposer.proposers[0].n_min == 1
+    assert SpecConfig("ngram", 3, prompt_lookup_max=2, fallback=SpecConfig("mtp", 1)).build(target).proposer.proposers[0].n_min == 2
+    assert SpecConfig("ngram", 3).build(target).proposer.n_min == 1
     inner = SpecConfig("mtp")
     inner.fallback = SpecConfig("ngram")
     with pytest.raises(MtpllmError, match="two members at most"):

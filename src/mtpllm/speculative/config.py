@@ -23,7 +23,9 @@ class SpecConfig:
     # head-only `mtp-*.gguf` file, or Hugging Face safetensors (a .safetensors file or a model directory);
     # default: MTP layers in the model file, or a shipped head
     mtp_head: str | None = None
-    prompt_lookup_min: int = 1
+    # shortest match lookup drafts from; None: 1 alone, 3 (or prompt_lookup_max if smaller) as the
+    # first member of a chain, where a weak match's draft would displace a better MTP draft
+    prompt_lookup_min: int | None = None
     prompt_lookup_max: int = 4
     adaptive: bool = False
     # a second method for the steps where this one has no draft (a chain: n-gram lookup first, MTP
@@ -47,7 +49,7 @@ class SpecConfig:
             raise MtpllmError(f"draft p-min must be in [0, 1), got {self.p_min!r}")
         if m == "draft_model" and not self.draft_model:
             raise MtpllmError("method draft_model needs a draft model: \"model\": NAME_OR_PATH (or -md FILE)")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (1 if self.prompt_lookup_min is None else self.prompt_lookup_min), self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise MtpllmError(f"prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
         fb = self.fallback
@@ -82,7 +84,10 @@ class SpecConfig:
     def _proposer(self, engine):
         if self.method == "ngram":
             from .ngram import NgramProposer
-            prop = NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+            lo = self.prompt_lookup_min
+            if lo is None:
+                lo = min(3, self.prompt_lookup_max) if self.fallback is not None else 1
+            prop = NgramProposer(lo, self.prompt_lookup_max)
         elif self.method == "draft_model":
             from .draft import DraftModelProposer
             prop = DraftModelProposer.load(self.draft_model, engine)
@@ -120,7 +125,7 @@ def _spec_from_dict(d) -> SpecConfig:
         method=d["method"], num_speculative_tokens=d.get("num_speculative_tokens", 3),
         min_speculative_tokens=d.get("min_speculative_tokens", 1), p_min=d.get("draft_p_min", 0.0),
         draft_model=d.get("model"), mtp_head=d.get("mtp_head"),
-        prompt_lookup_min=d.get("prompt_lookup_min", 1), prompt_lookup_max=d.get("prompt_lookup_max", 4),
+        prompt_lookup_min=d.get("prompt_lookup_min"), prompt_lookup_max=d.get("prompt_lookup_max", 4),
         adaptive=bool(d.get("adaptive", False)),
         fallback=_spec_from_dict(d["fallback"]) if d.get("fallback") is not None else None)
 
@@ -144,7 +149,7 @@ def add_spec_args(ap: argparse.ArgumentParser) -> None:
                    help="MTP head for draft-mtp: a head-only mtp-*.gguf file, a .safetensors file or a Hugging Face "
                         "model directory (Qwen3-Next/3.5 mtp.* or DeepSeek/GLM model.layers.L.* names)")
     g.add_argument("--spec-adaptive", action="store_true", help="grow/shrink the draft length from acceptance")
-    g.add_argument("--spec-ngram-min", type=int, default=None, help="n-gram lookup: shortest match (default 1)")
+    g.add_argument("--spec-ngram-min", type=int, default=None, help="n-gram lookup: shortest match (default 1; 3 as the first type of a chain)")
     g.add_argument("--spec-ngram-max", type=int, default=None, help="n-gram lookup: longest match (default 4)")
 
 
