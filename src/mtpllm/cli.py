@@ -324,9 +324,41 @@ def cmd_bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+# ---------------------------------------------------------------------------- serve
+def cmd_serve(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="mtpllm serve",
+        description="HTTP server with OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and "
+                    "llama.cpp-compatible (/completion, /tokenize, /detokenize, /health, /props) endpoints. "
+                    "Sampling options set the defaults of requests that leave them out.")
+    add_model_args(ap)
+    add_sampling_args(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=_positive_int, default=8080, help="port (default 8080)")
+    from .speculative.config import add_spec_args, spec_from_args
+    add_spec_args(ap)
+    a = ap.parse_args(argv)
+    if a.port > 65535:
+        raise MtpllmError(f"--port must be at most 65535, got {a.port}")
+    try:
+        from .server import Server, serve
+    except ImportError as exc:
+        raise MtpllmError(f"the server needs FastAPI and uvicorn: pip install 'mtpllm[server]' ({exc})") from None
+    params = sampling_from_args(a)
+    spec_cfg = spec_from_args(a)
+    eng = load_engine(a)
+    from .registry import resolve_model
+    server = Server(eng, resolve_model(a.model).name, spec_cfg, params)
+    print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
+          f"{', speculative ' + server.spec_label if server.spec_label else ''})", file=sys.stderr)
+    serve(server, a.host, a.port)
+    return 0
+
+
 COMMANDS = {
     "run": (cmd_run, "generate text from a prompt"),
     "chat": (cmd_chat, "interactive chat"),
+    "serve": (cmd_serve, "HTTP server: OpenAI- and llama.cpp-compatible endpoints"),
     "bench": (cmd_bench, "benchmark prefill, decode, end-to-end and speculative decoding"),
     "perplexity": (cmd_perplexity, "perplexity of a model on a text file (compressed vs --dequantize)"),
     "inspect": (cmd_inspect, "show a GGUF file's metadata, tensors, tokenizer, RoPE and MTP layers"),

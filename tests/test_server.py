@@ -1,0 +1,222 @@
+"""The HTTP server on a tiny real GGUF model: OpenAI and llama.cpp endpoints, streaming, speculative
+decoding (same tokens as plain), and bad requests answered with 4xx JSON errors."""
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from mtpllm.runtime.engine import Engine  # noqa: E402
+from mtpllm.runtime.sampling import SamplingParams  # noqa: E402
+from mtpllm.server import Server, create_app  # noqa: E402
+from mtpllm.speculative import SpecConfig  # noqa: E402
+from tiny import make_tiny  # noqa: E402
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return Engine.load(str(make_tiny(tiny_dir / "srv.gguf", "qwen2", seed=5, nextn=1)), n_ctx=128)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    return TestClient(create_app(Server(engine, "srv.gguf")))
+
+
+@pytest.fixture(scope="module")
+def spec_client(engine):
+    return TestClient(create_app(Server(engine, "srv.gguf", SpecConfig("mtp", 3))))
+
+
+def _events(resp) -> list:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def test_completions_match_the_engine(client, engine):
+    ref = engine.generate("the cat sat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    r = client.post("/v1/completions", json={"model": "x", "prompt": "the cat sat", **GREEDY})
+    assert r.status_code == 200
+    d = r.json()
+    assert d["object"] == "text_completion" and d["model"] == "srv.gguf"
+    assert d["choices"][0]["text"] == ref.text and d["choices"][0]["finish_reason"] == "length"
+    assert d["usage"]["completion_tokens"] == 12 and d["usage"]["prompt_tokens"] == ref.prompt_tokens
+    # token-id prompts and the llama.cpp endpoint give the same text
+    ids = engine.tokenizer.encode("the cat sat")
+    assert client.post("/v1/completions", json={"prompt": ids, **GREEDY}).json()["choices"][0]["text"] == ref.text
+    c = client.post("/completion", json={"prompt": "the cat sat", "n_predict": 12, "temperature": 0,
+                                         "ignore_eos": True}).json()
+    assert c["content"] == ref.text and c["stop"] is True and c["tokens_predicted"] == 12
+    assert c["stop_type"] == "limit" and c["timings"]["predicted_n"] == 12
+
+
+def test_streaming_gives_the_same_text(client):
+    full = client.post("/v1/completions", json={"prompt": "the cat sat", **GREEDY}).json()["choices"][0]["text"]
+    r = client.post("/v1/completions", json={"prompt": "the cat sat", "stream": True, **GREEDY,
+                                             "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = _events(r)
+    assert ev[-1] == "[DONE]" and ev[-2]["usage"]["completion_tokens"] == 12
+    chunks = [e for e in ev[:-2]]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == full
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    ll = _events(client.post("/completion", json={"prompt": "the cat sat", "n_predict": 12, "temperature": 0,
+                                                  "ignore_eos": True, "stream": True}))
+    assert "".join(e["content"] for e in ll) == full and ll[-1]["stop"] is True
+
+
+def test_chat_completions(client, engine):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    ref = engine.generate(messages=msgs, params=SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    d = client.post("/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 10,
+                                                  "ignore_eos": True}).json()
+    assert d["object"] == "chat.completion"
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
+    # content given as text parts is the same conversation
+    parts = [msgs[0], {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
+    ev = _events(client.post("/v1/chat/completions", json={"messages": parts, "temperature": 0, "max_tokens": 10,
+                                                           "ignore_eos": True, "stream": True}))
+    assert ev[0]["choices"][0]["delta"]["role"] == "assistant" and ev[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1]) == ref.text
+    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_speculative_server_gives_plain_tokens_and_reports(client, spec_client):
+    body = {"prompt": "the cat the cat the cat sat on the", **GREEDY}
+    plain = client.post("/v1/completions", json=body).json()
+    spec = spec_client.post("/v1/completions", json=body).json()
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    t = spec["timings"]
+    assert t["draft_n"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"] and t["speculative"] == "mtp:3"
+    assert "draft_n" not in plain["timings"]
+    assert spec_client.get("/props").json()["speculative"] == "mtp:3"
+
+
+def test_tokenize_models_health(client, engine):
+    toks = client.post("/tokenize", json={"content": "the cat"}).json()["tokens"]
+    assert toks == engine.tokenizer.encode("the cat", add_special=False)
+    assert client.post("/detokenize", json={"tokens": toks}).json()["content"] == "the cat"
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "srv.gguf"
+    assert client.get("/props").json()["n_ctx"] == 128
+
+
+@pytest.mark.parametrize("path,body,msg", [
+    ("/v1/completions", None, "not valid JSON"),
+    ("/v1/completions", [1, 2], "must be a JSON object"),
+    ("/v1/completions", {}, "'prompt' must be"),
+    ("/v1/completions", {"prompt": ""}, "'prompt' is empty"),
+    ("/v1/completions", {"prompt": [1, 10**9]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "'temperature' must be a number"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "'temperature' must be in"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "'max_tokens' must be"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, "'max_tokens' must be"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "'n' must be 1"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 5}, "'logprobs' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, "'stop' must be"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "'stream' must be"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, "'seed' must be"),
+    ("/v1/completions", {"prompt": "word " * 200}, "context size"),
+    ("/v1/chat/completions", {"messages": []}, "'messages' must be"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "string 'role'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "content must be"),
+    ("/completion", {"prompt": "hi", "n_predict": "many"}, "'n_predict' must be"),
+    ("/tokenize", {"content": 3}, "'content' must be a string"),
+    ("/detokenize", {"tokens": [1, "a"]}, "list of integers"),
+    ("/detokenize", {"tokens": [-1]}, "outside the vocabulary"),
+])
+def test_bad_requests_are_400_json(client, path, body, msg):
+    r = client.post(path, content=b"{not json" if body is None else json.dumps(body),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert msg in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+
+
+def test_unknown_paths_and_methods(client):
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404 and "no such endpoint" in r.json()["error"]["message"]
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
+
+
+def test_a_broken_stream_stops_its_generation(engine):
+    """A client that leaves in the middle of a stream: its generation stops (it does not run on to
+    max_tokens holding the lock) and the next request is served."""
+    import threading
+    server = Server(engine, "srv.gguf")
+    c = TestClient(create_app(server))
+    gate = threading.Event()
+    real = engine.stream
+
+    def slow_stream(*a, **k):  # one token per 20 ms: the client leaves long before 100 tokens
+        for r in real(*a, **k):
+            gate.wait(0.02)
+            yield r
+    engine.stream = slow_stream
+    try:
+        with c.stream("POST", "/v1/completions", json={"prompt": "the cat", "stream": True, "temperature": 0,
+                                                       "max_tokens": 100, "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # leave after the first event
+        d = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY}).json()
+    finally:
+        engine.stream = real
+    assert d["usage"]["completion_tokens"] == 12
+    assert server.cancelled == 1
+
+
+def test_cli_serve_rejects_bad_options(capsys):
+    from mtpllm.cli import main
+    assert main(["serve", "--port", "70000"]) == 1
+    assert "--port must be at most 65535" in capsys.readouterr().err
+    assert main(["serve", "--spec-type", "bogus"]) == 1
+
+
+@pytest.mark.slow
+def test_serve_command_real_model_with_mtp():
+    """`mtpllm serve` as users start it: the default model with its shipped MTP head behind uvicorn,
+    an OpenAI chat request over a socket, the same answer as the engine's plain greedy decoding."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mtpllm", "serve", "-m", "qwen2.5-coder-0.5b", "-c", "1024",
+                             "--port", str(port), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        msgs = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+        d = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "temperature": 0, "max_tokens": 32},
+                       timeout=300).json()
+        text = d["choices"][0]["message"]["content"]
+        assert d["timings"]["draft_n"] > 0 and d["usage"]["completion_tokens"] > 0
+        bad = httpx.post(url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+        assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    eng = Engine.load("qwen2.5-coder-0.5b", n_ctx=1024)
+    assert text == eng.generate(messages=msgs, params=SamplingParams(temperature=0, max_tokens=32)).text
