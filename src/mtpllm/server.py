@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import uuid
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -161,10 +162,10 @@ class Server:
                 last = r
             return "".join(parts), last
 
-    def stream(self, ids, params):
-        """(async iterator of Responses, cancel event). Generation runs in a worker thread that stops
-        at the next token once `cancel` is set (the client went away), so a dropped connection never
-        holds the lock."""
+    async def responses(self, ids, params):
+        """The Responses of one generation, as an async iterator (an exception is passed on as an
+        item). Generation runs in a worker thread that stops at the next token once this iterator is
+        closed early (the client went away), so a dropped connection never holds the lock."""
         q: queue.Queue = queue.Queue()
         cancel = threading.Event()
 
@@ -185,14 +186,31 @@ class Server:
             q.put(None)
 
         threading.Thread(target=work, daemon=True).start()
-
-        async def responses():
+        try:
             while True:
                 r = await run_in_threadpool(q.get)
                 if r is None:
                     return
                 yield r
-        return responses(), cancel
+        finally:
+            cancel.set()
+
+    async def sse(self, ids, params, render, head: tuple = (), tail=lambda last: ()):
+        """Server-sent events: `head` objects, render(r) per Response (None: nothing), tail(last)."""
+        for h in head:
+            yield _sse(h)
+        last = None
+        async with aclosing(self.responses(ids, params)) as rs:
+            async for r in rs:
+                if isinstance(r, Exception):
+                    yield _sse({"error": {"message": str(r), "type": "server_error", "code": 500}})
+                    return
+                last = r
+                obj = render(r)
+                if obj is not None:
+                    yield _sse(obj)
+        for t in tail(last):
+            yield t if isinstance(t, str) else _sse(t)
 
     def timings(self, last) -> dict:
         t = last.timings.to_dict() if last is not None and last.timings is not None else {}
@@ -307,35 +325,24 @@ def create_app(server: Server) -> FastAPI:
             return {"id": rid, "object": kind, "created": created, "model": server.model_id, "choices": [choice],
                     "usage": usage(last), "timings": server.timings(last)}
 
-        async def events():
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            head = {"id": rid, "object": obj, "created": created, "model": server.model_id}
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": server.model_id}
+
+        def render(r):
+            if not (r.text or r.finish_reason):
+                return None
+            fin = _finish(r) if r.finish_reason else None
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "finish_reason": None}]})
-            last = None
-            responses, cancel = server.stream(ids, params)
-            try:
-                async for r in responses:
-                    if isinstance(r, Exception):
-                        yield _sse({"error": {"message": str(r), "type": "server_error", "code": 500}})
-                        return
-                    last = r
-                    if not (r.text or r.finish_reason):
-                        continue
-                    fin = _finish(r) if r.finish_reason else None
-                    if chat:
-                        delta = {"content": r.text} if r.text else {}
-                        yield _sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]})
-                    else:
-                        yield _sse({**head, "choices": [{"index": 0, "text": r.text, "logprobs": None,
-                                                         "finish_reason": fin}]})
-            finally:
-                cancel.set()
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(last), "timings": server.timings(last)})
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+                return {**head, "choices": [{"index": 0, "delta": {"content": r.text} if r.text else {},
+                                             "finish_reason": fin}]}
+            return {**head, "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": fin}]}
+
+        def tail(last):
+            usage_chunk = [{**head, "choices": [], "usage": usage(last), "timings": server.timings(last)}]
+            return (usage_chunk if include_usage else []) + ["data: [DONE]\n\n"]
+        first = ({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]},) if chat else ()
+        return StreamingResponse(server.sse(ids, params, render, first, tail), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -366,21 +373,8 @@ def create_app(server: Server) -> FastAPI:
             text, last = await run_in_threadpool(server.generate, ids, params)
             return final(text, last)
 
-        async def events():
-            last = None
-            responses, cancel = server.stream(ids, params)
-            try:
-                async for r in responses:
-                    if isinstance(r, Exception):
-                        yield _sse({"error": {"message": str(r), "type": "server_error", "code": 500}})
-                        return
-                    last = r
-                    if r.text:
-                        yield _sse({"content": r.text, "stop": False})
-            finally:
-                cancel.set()
-            yield _sse(final("", last))
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(server.sse(ids, params, lambda r: {"content": r.text, "stop": False} if r.text else None,
+                                            tail=lambda last: [final("", last)]), media_type="text/event-stream")
 
     return app
 
