@@ -16,10 +16,10 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) measured for the
-# shipped head when it was trained (1.88 after 240 steps, 1.89 after 480), less a margin for
+# shipped head when it was trained (1.98, fine-tuned on 925 own answers), less a margin for
 # kernel-level differences between machines. The bar of 2.0 is not reached yet; see
 # docs/benchmarks.md for the figures and what limits them.
-SHIPPED_MIN_MEAN_ACCEPTANCE = 1.8
+SHIPPED_MIN_MEAN_ACCEPTANCE = 1.9
 
 
 @pytest.fixture(scope="module")
