@@ -48,6 +48,10 @@ def _num(body: dict, key: str, default, kind=float, lo=None, hi=None):
     return v
 
 
+def _is_int_list(v: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
 def _stop(body: dict) -> list[str]:
     s = body.get("stop")
     if s is None:
@@ -92,17 +96,15 @@ class Server:
         ignore_eos = body.get("ignore_eos", False)
         if not isinstance(ignore_eos, bool):
             raise BadRequest("'ignore_eos' must be true or false")
-        try:
-            return SamplingParams(
-                temperature=_num(body, "temperature", d.temperature, lo=0.0),
-                top_k=_num(body, "top_k", d.top_k, int, lo=0), top_p=_num(body, "top_p", d.top_p),
-                min_p=_num(body, "min_p", d.min_p),
-                repetition_penalty=_num(body, "repeat_penalty", _num(body, "repetition_penalty", d.repetition_penalty)),
-                presence_penalty=_num(body, "presence_penalty", d.presence_penalty),
-                frequency_penalty=_num(body, "frequency_penalty", d.frequency_penalty),
-                seed=seed, max_tokens=n, stop=_stop(body) or list(d.stop), ignore_eos=ignore_eos)
-        except MtpllmError as exc:
-            raise BadRequest(str(exc)) from None
+        # out-of-range values raise MtpllmError: a 400 like BadRequest (see create_app)
+        return SamplingParams(
+            temperature=_num(body, "temperature", d.temperature, lo=0.0),
+            top_k=_num(body, "top_k", d.top_k, int, lo=0), top_p=_num(body, "top_p", d.top_p),
+            min_p=_num(body, "min_p", d.min_p),
+            repetition_penalty=_num(body, "repeat_penalty", _num(body, "repetition_penalty", d.repetition_penalty)),
+            presence_penalty=_num(body, "presence_penalty", d.presence_penalty),
+            frequency_penalty=_num(body, "frequency_penalty", d.frequency_penalty),
+            seed=seed, max_tokens=n, stop=_stop(body) or list(d.stop), ignore_eos=ignore_eos)
 
     def prompt_ids(self, prompt) -> list[int]:
         tok = self.engine.tokenizer
@@ -112,12 +114,19 @@ class Server:
             if not prompt:
                 raise BadRequest("'prompt' is empty")
             return tok.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-            if bad:
-                raise BadRequest(f"'prompt' has token ids outside the vocabulary (0..{tok.vocab_size - 1}): {bad[:5]}")
-            return list(prompt)
+        if isinstance(prompt, list) and prompt and _is_int_list(prompt):
+            return self.token_ids(prompt, "prompt")
         raise BadRequest("'prompt' must be a non-empty string, a list with one string, or a list of token ids")
+
+    def token_ids(self, ids: list, field: str) -> list[int]:
+        """A list of integers, checked against the vocabulary."""
+        if not isinstance(ids, list) or not _is_int_list(ids):
+            raise BadRequest(f"'{field}' must be a list of integers")
+        n = self.engine.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < n]
+        if bad:
+            raise BadRequest(f"'{field}' has token ids outside the vocabulary (0..{n - 1}): {bad[:5]}")
+        return list(ids)
 
     def chat_ids(self, body: dict) -> list[int]:
         msgs = body.get("messages")
@@ -146,12 +155,6 @@ class Server:
             return self.engine.encode_prompt(messages=out)
         except MtpllmError as exc:
             raise BadRequest(f"cannot render the chat template: {exc}") from None
-
-    def check(self, ids: list[int]) -> None:
-        try:
-            self.engine._check_prompt(ids)
-        except MtpllmError as exc:
-            raise BadRequest(str(exc)) from None
 
     # ------------------------------------------------------------------ generation
     def generate(self, ids, params):
@@ -285,13 +288,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await body_of(request)
-        toks = body.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise BadRequest("'tokens' must be a list of integers")
-        bad = [t for t in toks if not 0 <= t < eng.tokenizer.vocab_size]
-        if bad:
-            raise BadRequest(f"token ids outside the vocabulary: {bad[:5]}")
-        return {"content": eng.tokenizer.decode(toks)}
+        return {"content": eng.tokenizer.decode(server.token_ids(body.get("tokens"), "tokens"))}
 
     def room(ids: list[int]) -> int:
         return max(eng.n_ctx - len(ids) - 1, 0)
@@ -300,7 +297,7 @@ def create_app(server: Server) -> FastAPI:
     async def openai(request: Request, chat: bool):
         body = await body_of(request)
         ids = server.chat_ids(body) if chat else server.prompt_ids(body.get("prompt"))
-        server.check(ids)
+        eng._check_prompt(ids)  # too long for the context: MtpllmError, a 400
         params = server.params(body, "max_tokens", room(ids) if chat else 16)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -357,7 +354,7 @@ def create_app(server: Server) -> FastAPI:
     async def completion(request: Request):
         body = await body_of(request)
         ids = server.prompt_ids(body.get("prompt"))
-        server.check(ids)
+        eng._check_prompt(ids)  # too long for the context: MtpllmError, a 400
         params = server.params(body, "n_predict", room(ids))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):

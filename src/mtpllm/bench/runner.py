@@ -263,15 +263,12 @@ def main(argv: list[str]) -> int:
             engine = Engine.load(str(path), n_ctx=n_ctx, mode="f32" if a.dequantize else "fast", threads=threads,
                                  device=a.device)
             built = {}
-            def config(label: str) -> SpecConfig:
-                if "+" in label:
-                    first, second = (config(p) for p in label.split("+"))
-                    first.fallback = second
-                    first.__post_init__()
-                    return first
-                _, method, k, draft = parse_spec(label)
+            def config(text: str) -> SpecConfig:  # 'a+b': a chain, b the fallback (checked by parse_spec)
+                first, _, rest = text.partition("+")
+                _, method, k, draft = parse_spec(first)
                 return SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
-                                  mtp_head=a.mtp_head if method == "mtp" else None)
+                                  mtp_head=a.mtp_head if method == "mtp" else None,
+                                  fallback=config(rest) if rest else None)
             for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):
                 if method != "none":  # build every proposer before measuring: bad input fails fast
                     built[label] = config(spec_text.strip()).build(engine)

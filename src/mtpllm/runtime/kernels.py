@@ -21,6 +21,7 @@ MTPLLM_KERNELS=0 turns the extension off.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -45,23 +46,22 @@ _state: dict = {}
 
 def _cpu_has_avx2() -> bool:
     cap = torch.backends.cpu.get_cpu_capability()
-    if cap in ("AVX2", "AVX512"):
-        return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2 " in flags and " fma " in flags
+    return cap in ("AVX2", "AVX512") or {"avx2", "fma"} <= _cpu_flags()
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_has_vnni() -> bool:
+    return set(_VNNI_CPU) <= _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def isa() -> str:
@@ -71,7 +71,7 @@ def isa() -> str:
         if forced not in ("avx2", "avx512vnni"):
             raise ValueError(f"MTPLLM_KERNELS_ISA={forced!r}: use avx2 or avx512vnni")
         return forced
-    return "avx512vnni" if all(f in _cpu_flags() for f in _VNNI_CPU) else "avx2"
+    return "avx512vnni" if _cpu_has_vnni() else "avx2"
 
 
 def _unsupported() -> str | None:
@@ -84,7 +84,7 @@ def _unsupported() -> str | None:
         chosen = isa()
     except ValueError as e:
         return str(e)
-    if chosen == "avx512vnni" and not all(f in _cpu_flags() for f in _VNNI_CPU):
+    if chosen == "avx512vnni" and not _cpu_has_vnni():
         return "MTPLLM_KERNELS_ISA=avx512vnni but the CPU has no AVX-512 VNNI"
     return None
 

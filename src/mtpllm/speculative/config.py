@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import MtpllmError
 
@@ -75,10 +75,9 @@ class SpecConfig:
             fb = self.fallback
             prop = ChainProposer([prop, fb._proposer(engine)], [self.num_speculative_tokens, fb.num_speculative_tokens],
                                  [self.method, fb.method])
-            cfg = SpecConfig(**{**self.__dict__, "fallback": None})
-            cfg.num_speculative_tokens = max(self.num_speculative_tokens, fb.num_speculative_tokens)
-            cfg.min_speculative_tokens = min(cfg.min_speculative_tokens, cfg.num_speculative_tokens)
-            return SpeculativeDecoder(prop, cfg)
+            k = max(self.num_speculative_tokens, fb.num_speculative_tokens)
+            return SpeculativeDecoder(prop, replace(self, fallback=None, num_speculative_tokens=k,
+                                                    min_speculative_tokens=min(self.min_speculative_tokens, k)))
         return SpeculativeDecoder(prop, self)
 
     def _proposer(self, engine):

@@ -239,8 +239,9 @@ class MTPProposer:
         return drafts, qs
 
     def accept(self, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
-        if self.pending_h is not None and self.pending_start == self.cache.length:
-            # this step's draft came from another proposer of a chain: keep the earlier states too
+        if self.pending_h is not None:
+            # no `propose` consumed the earlier states (another member of a chain drafted this step,
+            # or there was no room): keep them, positions pending_start.. continue into these
             self.pending_h = torch.cat([self.pending_h, target_hidden])
             return
         self.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
