@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sampling import Sampler
 
 
 @dataclass

@@ -377,7 +377,8 @@ template <> struct SbOf<TQ6_K> { using type = SbQ6; };
 // AVX2 than 2 x 4, whose accumulators leave no registers for the codes and scales.)
 template <class S, int RM>
 inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m256* acc_out) {
-  __m256 acc[RM];  // in registers for the whole loop (acc_out may alias nothing, but the compiler cannot know)
+  __m256 acc[RM];  // in registers for the whole loop: through acc_out (which the compiler cannot prove
+                   // unaliased with the loads) it was stored back every super-block
   for (int r = 0; r < RM; ++r) acc[r] = acc_out[r];
   for (int64_t i = i0; i < i1; ++i) {
     const uint8_t* b = row + i * S::BYTES;
