@@ -327,9 +327,9 @@ def test_gguf_kernel_matches_reference(qtype, m):
 def test_gguf_kernel_rows_are_independent_of_batch_and_threads():
     """Each output row depends only on its own input row (bit for bit), whatever the batch size or
     the thread count: speculative verification equals one-token decoding."""
-    n, k = 300, 1024
-    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K):
-        w = _blocks(_raw(qtype, n, k, 3))
+    n, k = 304, 1024
+    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, kernels.Q4_KX8):
+        w = _blocks(_raw(qtype, n, k, 3)) if qtype != kernels.Q4_KX8 else _x8(n, k, 3)
         x = torch.randn(7, k)
         full = kernels.gguf_linear(x, [w], [int(qtype)])
         for i in range(7):
@@ -389,6 +389,77 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     assert torch.equal(sub(x), head(x)[:, ids])
 
 
+def _x8(n, k, seed):
+    return kernels.gguf_repack(_blocks(_raw(QT.Q4_K, n, k, seed)), int(QT.Q4_K), k)
+
+
+@needs_kernel
+def test_q4k_repacked_by_8_rows_is_exact():
+    """Q4_K repacked by 8 rows (the kernel's layout: codes of 8 rows interleaved by 4, scales and
+    mins unpacked) holds exactly the file's weights; what cannot be repacked is refused."""
+    n, k = 24, 768
+    raw = _raw(QT.Q4_K, n, k, 5)
+    x8 = kernels.gguf_repack(_blocks(raw), int(QT.Q4_K), k)
+    assert x8.shape == (n // 8, k // 256 * 1184)
+    assert torch.equal(kernels.gguf_dequantize([x8], [kernels.Q4_KX8], k), dequantize(raw, QT.Q4_K, (n, k)))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernels.gguf_repack(_blocks(_raw(QT.Q4_K, 12, k, 5)), int(QT.Q4_K), k)
+    with pytest.raises(RuntimeError, match="only Q4_K"):
+        kernels.gguf_repack(_blocks(_raw(QT.Q6_K, 8, k, 5)), int(QT.Q6_K), k)
+    with pytest.raises(RuntimeError, match="Q4_Kx8 weights"):
+        kernels.gguf_linear(torch.randn(1, 512), [x8], [kernels.Q4_KX8])
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
+def test_repacked_q4k_kernel_matches_reference(m):
+    """The 8-row kernel computes the K-quant formula (x quantized per 256, integer sums per
+    super-block) to float32 accumulation error, and the exact product within the
+    activation-rounding bound, for every tile of x rows (4 per tile with VNNI, 2 with AVX2, and
+    the remainders); it matches the one-row Q4_K kernel to rounding."""
+    n, k = 48, 1280
+    raw = _raw(QT.Q4_K, n, k, 8)
+    w = dequantize(raw, QT.Q4_K, (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 5] *= 20
+    y = kernels.gguf_linear(x, [kernels.gguf_repack(_blocks(raw), int(QT.Q4_K), k)], [kernels.Q4_KX8])
+    ref = _kernel_reference(x, w, 256)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(y, kernels.gguf_linear(x, [_blocks(raw)], [int(QT.Q4_K)]), rtol=1e-5,
+                               atol=1e-5 * float(ref.abs().max()))
+    exact = x.double() @ w.double().t()
+    d = x.double().reshape(m, k // 256, 256).abs().amax(-1) / 127
+    bound = d / 2 @ w.double().abs().reshape(n, k // 256, 256).sum(-1).t()
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@needs_kernel
+def test_linear_repacks_q4k_at_load(tmp_path, monkeypatch):
+    """A model's Q4_K matrices (rows divisible by 8) run repacked, fused with other types in one
+    call; MTPLLM_REPACK=0 keeps the file's blocks; both give the same products to rounding, and
+    `rows` / `dequantized` still give the file's weights."""
+    from mtpllm.gguf.reader import GGUFFile
+    from mtpllm.gguf.writer import write_gguf
+    from mtpllm.runtime.linear import make_linear
+    k = 512
+    tensors = {"a.weight": (_raw(QT.Q4_K, 32, k, 1), QT.Q4_K), "b.weight": (_raw(QT.Q6_K, 16, k, 2), QT.Q6_K),
+               "c.weight": (_raw(QT.Q4_K, 12, k, 3), QT.Q4_K)}
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", {}, tensors)
+    g = GGUFFile(path)
+    lin = make_linear(g, ["a.weight", "b.weight", "c.weight"])
+    assert lin._gt == [kernels.Q4_KX8, int(QT.Q6_K), int(QT.Q4_K)]  # 12 rows: not repacked
+    monkeypatch.setenv("MTPLLM_REPACK", "0")
+    plain = make_linear(g, ["a.weight", "b.weight", "c.weight"])
+    assert plain._gt == [int(QT.Q4_K), int(QT.Q6_K), int(QT.Q4_K)]
+    x = torch.randn(3, k)
+    torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
+    assert torch.equal(lin.dequantized(), plain.dequantized())
+    assert (lin.out_features, lin.in_features) == (60, k)
+    ids = torch.tensor([0, 31, 5])
+    assert torch.equal(lin.rows(ids).dequantized(), plain.dequantized()[ids])
+
+
 @needs_kernel
 def test_gguf_kernel_rejects_mismatched_blocks():
     """A byte count that does not match the type and K is an error, not a wild read."""
@@ -426,6 +497,10 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + i))
             x[:, 7] *= 30
             data.append((x, w, int(qtype)))
+    for m in (1, 2, 3, 4, 5, 9, 40):  # Q4_K repacked by 8 rows: tiles of 4 (VNNI) and 2 (AVX2) rows of x
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + m))
+        x[:, 7] *= 30
+        data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8))
     torch.save(data, tmp_path / "in.pt")
     env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],

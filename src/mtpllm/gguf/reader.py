@@ -224,6 +224,19 @@ class GGUFFile:
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.n_bytes, offset=info.offset).reshape(
             rows, info.shape[-1] // block * type_size)
 
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's mapping (its resident size) once it has been
+        copied elsewhere (e.g. repacked); they stay in the page cache and fault back in if read."""
+        info = self.info(name)
+        if not isinstance(self._mm, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(len(self._mm), info.offset + info.n_bytes)
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # only a memory saving: never fatal
+            pass
+
     def load(self, name: str) -> torch.Tensor:
         """Dequantized float32 tensor in torch order."""
         info = self.info(name)

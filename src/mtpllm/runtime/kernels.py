@@ -2,7 +2,8 @@
 
 - `gguf_linear(x, blocks, types)`: float32 activations times weights that are the GGUF file's own
   blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place from the file mapping
-  (csrc/gguf_blocks.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings).
+  (csrc/gguf_blocks.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings);
+  `gguf_repack` lays Q4_K out by 8 rows for its faster kernel (type `Q4_KX8`).
 - `q8_linear(x, codes, scales, mins, group)`: the same for other types, kept as integer codes with
   per-group scales (csrc/qgemv.cpp).
 - `rms_norm`, `attend_cached`: the small per-layer operators of decoding fused (csrc/attention.cpp).
@@ -118,6 +119,7 @@ def _build() -> None:
             _state["op"] = torch.ops.mtpllm.q8_linear
             _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
             _state["gguf_dequantize"] = torch.ops.mtpllm.gguf_dequantize
+            _state["gguf_repack"] = torch.ops.mtpllm.gguf_repack
             _state["rms_norm"] = torch.ops.mtpllm.rms_norm
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
             _state["isa"] = name
@@ -169,6 +171,17 @@ def gguf_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) 
 def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> torch.Tensor:
     """GGUF block matrices uint8 [N_i, row bytes] of GGML types `types` -> float32 [sum N_i, k]."""
     return _op("gguf_dequantize")(weights, types, k)
+
+
+# engine type id of Q4_K repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8"): gguf_linear and
+# gguf_dequantize take it like a GGML type, with weights uint8 [N / 8, K / 256 * 1184]
+Q4_KX8 = 1012
+
+
+def gguf_repack(weight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Q4_K blocks uint8 [N, K / 256 * 144] (N % 8 == 0) -> the Q4_Kx8 layout (type `Q4_KX8`): the
+    8 rows of each group interleaved so one vector instruction multiplies 4 weights of 8 rows."""
+    return _op("gguf_repack")(weight, qtype, k)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

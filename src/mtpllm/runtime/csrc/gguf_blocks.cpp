@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 #include "common.h"
@@ -301,6 +302,7 @@ struct ActK {  // R consecutive rows of x quantized per 256
   const float* d;     // [R, K/256]
   const float* s;     // [R, K/32]: d * sum of codes per group of 32
   const int16_t* bs;  // [R, K/16]: sums of codes per 16
+  const int16_t* b32; // [R, K/32]: sums of codes per 32
   int64_t K;
 };
 
@@ -410,8 +412,8 @@ inline void ktile(const uint8_t* row, const ActK& a, int64_t i0, int64_t i1, __m
 }
 
 // Quantize one row of K floats (K % 256 == 0) per 256: d[K/256], s[K/32] = d * sum of codes per
-// 32, bs[K/16] = sums of codes per 16
-inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs) {
+// 32, bs[K/16] = sums of codes per 16, b32[K/32] = sums of codes per 32
+inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs, int16_t* b32) {
   for (int64_t i = 0; i < K / 256; ++i) {
     const float* xb = x + i * 256;
     __m256 amax = _mm256_setzero_ps();
@@ -434,7 +436,10 @@ inline void quantize_row_k(const float* x, int64_t K, int8_t* q, float* d, float
       }
       bs[i * 16 + j] = static_cast<int16_t>(sum);
     }
-    for (int g = 0; g < 8; ++g) s[i * 8 + g] = db * static_cast<float>(bs[i * 16 + 2 * g] + bs[i * 16 + 2 * g + 1]);
+    for (int g = 0; g < 8; ++g) {
+      b32[i * 8 + g] = static_cast<int16_t>(bs[i * 16 + 2 * g] + bs[i * 16 + 2 * g + 1]);  // |sum| <= 32 * 127
+      s[i * 8 + g] = db * static_cast<float>(b32[i * 8 + g]);
+    }
   }
 }
 
@@ -460,7 +465,7 @@ void krows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
     const int64_t nb1 = std::min(nb0 + KNB, n1);
     for (int64_t m = 0; m < M; m += KRM) {
       const int rm = static_cast<int>(std::min<int64_t>(KRM, M - m));
-      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), K};
+      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), xk.b32 + m * (K / 32), K};
       __m256 acc[KNB * KRM];
       for (int64_t n = 0; n < nb1 - nb0; ++n)  // only the tile's rows (decoding: one per weight row)
         for (int r = 0; r < rm; ++r) acc[n * KRM + r] = _mm256_setzero_ps();
@@ -502,6 +507,176 @@ void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const 
       }
     }
   }
+}
+
+// Q4_K repacked by 8 rows ("Q4_Kx8", engine type id Q4_KX8; `gguf_repack` builds it at load). The
+// 8 rows' super-blocks i are stored together so that one 256-bit register holds 4 codes of each of
+// the 8 rows: one vpdpbusd multiplies them by 4 broadcast activations (u4 x s8, summed per row
+// into int32). The 8 rows' scales, mins, d and dmin then come as vectors, and a super-block's
+// scale, min and float work is done once for 8 rows instead of per row (the one-row kernel spends
+// more on that than on the products). One block of 8 rows x 256 weights, X8_BYTES:
+//   qs [1024]: group g (32 weights), chunk c: 32 bytes at 128 g + 32 c, byte 4 r + j of row r =
+//              code 4 c + j of the group (low nibble) and code 16 + 4 c + j (high nibble)
+//   sc [64]:   byte 8 g + r = the 6-bit scale of row r, group g
+//   mn [64]:   byte 16 p + 2 r + h = the 6-bit min of row r, group 2 p + h (int16 pairs once widened)
+//   d [8], dmin [8]: float16 per row
+// Row r, super-block i: y += d * dx * sum_g sc_g * (q_g . x_g) - dmin * dx * sum_g mn_g * sum(x_g),
+// both sums in int32 (exact; the same integers in the AVX2 and VNNI builds), then two float
+// multiply-adds per super-block, in super-block order: each output depends on its own row of x only.
+constexpr int64_t Q4_KX8 = 1012, X8_BYTES = 1184, X8_SC = 1024, X8_MN = 1088, X8_D = 1152, X8_DMIN = 1168;
+
+// the 8 rows' products over super-blocks [0, nsb) for RM rows of x (m0.. of ActK a) into facc
+template <int RM>
+inline void x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 facc[RM];
+  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
+  const int64_t nsk = a.K / 256;
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * X8_BYTES;
+    __m256i sacc[RM], macc[RM];
+    for (int r = 0; r < RM; ++r) sacc[r] = macc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      for (int c = 0; c < 4; c += 2)
+        _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g + 32 * c), _MM_HINT_T0);
+#if MTPLLM_VNNI
+      __m256i lo_acc[RM], hi_acc[RM];
+      for (int r = 0; r < RM; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_si256();
+#else
+      __m256i acc16[RM];
+      for (int r = 0; r < RM; ++r) acc16[r] = _mm256_setzero_si256();
+#endif
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = loadu(b + 128 * g + 32 * c);
+        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 4 * c;
+          int32_t xl, xh;
+          std::memcpy(&xl, x, 4);
+          std::memcpy(&xh, x + 16, 4);
+#if MTPLLM_VNNI
+          lo_acc[r] = _mm256_dpbusd_epi32(lo_acc[r], lo, _mm256_set1_epi32(xl));
+          hi_acc[r] = _mm256_dpbusd_epi32(hi_acc[r], hi, _mm256_set1_epi32(xh));
+#else  // pairs of u4 x s8 products: at most 2 * 15 * 127 each, 8 of them fit int16
+          acc16[r] = _mm256_add_epi16(acc16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))));
+#endif
+        }
+      }
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + X8_SC + 8 * g)));
+      for (int r = 0; r < RM; ++r) {
+#if MTPLLM_VNNI
+        sacc[r] = _mm256_add_epi32(sacc[r], _mm256_mullo_epi32(_mm256_add_epi32(lo_acc[r], hi_acc[r]), sc));
+#else
+        sacc[r] = _mm256_add_epi32(sacc[r], _mm256_madd_epi16(acc16[r], _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16))));
+#endif
+      }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_MN + 16 * p)));
+      for (int r = 0; r < RM; ++r) {
+        int32_t xb;
+        std::memcpy(&xb, a.b32 + r * (a.K / 32) + i * 8 + 2 * p, 4);
+#if MTPLLM_VNNI
+        macc[r] = _mm256_dpwssd_epi32(macc[r], mn, _mm256_set1_epi32(xb));
+#else
+        macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(xb)));
+#endif
+      }
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_D)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_DMIN)));
+    for (int r = 0; r < RM; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[r * nsk + i]);
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sacc[r]), _mm256_mul_ps(d8, dx), facc[r]);
+      facc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(macc[r]), _mm256_mul_ps(m8, dx), facc[r]);
+    }
+  }
+  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
+}
+
+#if MTPLLM_VNNI
+constexpr int X8_RM = 4;  // rows of x per tile (32 vector registers)
+#else
+constexpr int X8_RM = 2;  // 16 registers
+#endif
+
+template <int RM = X8_RM>
+inline void x8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return x8_tile_rm<RM - 1>(rm, blk, nsb, a, facc);
+  }
+  x8_tile<RM>(blk, nsb, a, facc);
+}
+
+// Output rows [n0, n1) of a Q4_Kx8 matrix (row groups of 8 starting in that range) against the M
+// rows of x into y (row stride ldy)
+void x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
+             int64_t ldy) {
+  const int64_t K = xk.K, nsb = K / 256;
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp) {
+    const uint8_t* blk = w + grp * group_bytes;
+    for (int64_t m = 0; m < M; m += X8_RM) {
+      const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
+      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), xk.b32 + m * (K / 32), K};
+      __m256 facc[X8_RM];
+      for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
+      x8_tile_rm(rm, blk, nsb, a, facc);
+      for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
+    }
+  }
+}
+
+// Q4_K rows [8 g0, 8 g1) of w (uint8 [N, K / 256 * 144]) -> row groups [g0, g1) of the Q4_Kx8 layout
+void x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int64_t g1, uint8_t* out) {
+  for (int64_t grp = g0; grp < g1; ++grp)
+    for (int64_t i = 0; i < nsb; ++i) {
+      uint8_t* o = out + (grp * nsb + i) * X8_BYTES;
+      for (int r = 0; r < 8; ++r) {
+        const uint8_t* b = w + (grp * 8 + r) * row_bytes + i * 144;
+        const uint8_t* s = b + 4;
+        std::memcpy(o + X8_D + 2 * r, b, 2);
+        std::memcpy(o + X8_DMIN + 2 * r, b + 2, 2);
+        for (int g = 0; g < 8; ++g) {  // ggml's get_scale_min_k4
+          const uint8_t sc = g < 4 ? (s[g] & 63) : ((s[g + 4] & 0xF) | ((s[g - 4] >> 6) << 4));
+          const uint8_t mn = g < 4 ? (s[g + 4] & 63) : ((s[g + 4] >> 4) | ((s[g] >> 6) << 4));
+          o[X8_SC + 8 * g + r] = sc;
+          o[X8_MN + 16 * (g / 2) + 2 * r + (g & 1)] = mn;
+          const uint8_t* qs = b + 16 + 32 * (g / 2);  // codes of group g: nibble g & 1 of these 32 bytes
+          const int sh = (g & 1) * 4;
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j)
+              o[128 * g + 32 * c + 4 * r + j] = static_cast<uint8_t>(((qs[4 * c + j] >> sh) & 15) |
+                                                                     (((qs[16 + 4 * c + j] >> sh) & 15) << 4));
+        }
+      }
+    }
+}
+
+// The row groups of a Q4_Kx8 matrix starting in rows [n0, n1) as float32 rows of y (the matrix's
+// first row; row stride K), exactly the values of the Q4_K blocks they were made from
+void x8_dequant(const uint8_t* w, int64_t nsb, int64_t n0, int64_t n1, float* y) {
+  const int64_t K = nsb * 256;
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp)
+    for (int64_t i = 0; i < nsb; ++i) {
+      const uint8_t* b = w + (grp * nsb + i) * X8_BYTES;
+      for (int r = 0; r < 8; ++r) {
+        float* o = y + (grp * 8 + r) * K + i * 256;
+        const float d = f16(b + X8_D + 2 * r), dmin = f16(b + X8_DMIN + 2 * r);
+        for (int g = 0; g < 8; ++g) {
+          const float sc = d * b[X8_SC + 8 * g + r], mn = dmin * b[X8_MN + 16 * (g / 2) + 2 * r + (g & 1)];
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t q = b[128 * g + 32 * c + 4 * r + j];
+              o[32 * g + 4 * c + j] = std::fma(static_cast<float>(q & 15), sc, -mn);
+              o[32 * g + 16 + 4 * c + j] = std::fma(static_cast<float>(q >> 4), sc, -mn);
+            }
+        }
+      }
+    }
 }
 
 // Dequantize rows [n0, n1) of one matrix into y (float32, row stride K)
@@ -566,7 +741,16 @@ template <class T> struct DequantRows {
   template <class... A> static void run(A... a) { dequant_rows<T>(a...); }
 };
 
+// output rows of one weight tensor (Q4_Kx8: 8 per row group)
+int64_t weight_rows(const at::Tensor& w, int64_t t) { return t == Q4_KX8 ? 8 * w.size(0) : w.size(0); }
+
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
+  if (t == Q4_KX8) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 256 == 0 &&
+                    w.size(1) == K / 256 * X8_BYTES,
+                "Q4_Kx8 weights: uint8 [N / 8, K / 256 * ", X8_BYTES, "] (gguf_repack) for K = ", K);
+    return;
+  }
   const TypeInfo ti = type_info(t);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
               "weights: uint8 [N, row bytes] with contiguous rows");
@@ -583,13 +767,13 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   std::vector<int64_t> off(ws.size() + 1, 0);
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], types[i], K);
-    off[i + 1] = off[i] + ws[i].size(0);
+    off[i + 1] = off[i] + weight_rows(ws[i], types[i]);
   }
   const int64_t N = off.back();
   at::Tensor y = at::empty({M, N}, x.options());
   bool any_k = false, any_32 = false, any_q4 = false, any_q5 = false, any_q8 = false;
   for (size_t i = 0; i < ws.size(); ++i) {
-    const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K;
+    const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K || types[i] == Q4_KX8;
     any_k |= k;
     any_32 |= !k;
     any_q4 |= types[i] == Q4_0;
@@ -600,7 +784,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   std::vector<int8_t> xq(any_32 ? M * K : 0), kq(any_k ? M * K : 0);
   std::vector<float> xd(any_32 ? M * nb : 0), xs(any_32 ? M * nb : 0), kd(any_k ? M * K / 256 : 0),
       ks(any_k ? M * nb : 0);
-  std::vector<int16_t> kb(any_k ? M * K / 16 : 0);
+  std::vector<int16_t> kb(any_k ? M * K / 16 : 0), kb32(any_k ? M * nb : 0);
   std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0), o8(any_q8 ? M * K / OFF_PER : 0);
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -626,17 +810,21 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
         }
       }
       if (any_k) quantize_row_k(xp + m * K, K, kq.data() + m * K, kd.data() + m * K / 256, ks.data() + m * nb,
-                                kb.data() + m * K / 16);
+                                kb.data() + m * K / 16, kb32.data() + m * nb);
     }
   });
   const Act a{xq.data(), xd.data(), xs.data(), any_q4 ? o4.data() : nullptr, any_q5 ? o5.data() : nullptr,
               any_q8 ? o8.data() : nullptr, K, nb};
-  const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), K};
+  const ActK ak{kq.data(), kd.data(), ks.data(), kb.data(), kb32.data(), K};
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain_rows(K, M), [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t lo = std::max(n0, off[i]), hi = std::min(n1, off[i + 1]);
       if (lo >= hi) continue;
+      if (types[i] == Q4_KX8) {
+        x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
+        continue;
+      }
       dispatch<RowsOf>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], a, ak, M,
                        yp + off[i], N);
     }
@@ -650,7 +838,7 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
   std::vector<int64_t> off(ws.size() + 1, 0);
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], types[i], K);
-    off[i + 1] = off[i] + ws[i].size(0);
+    off[i + 1] = off[i] + weight_rows(ws[i], types[i]);
   }
   at::Tensor y = at::empty({off.back(), K}, at::TensorOptions().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
@@ -658,6 +846,10 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
     for (size_t i = 0; i < ws.size(); ++i) {
       const int64_t a = std::max(n0, off[i]), b = std::min(n1, off[i + 1]);
       if (a >= b) continue;
+      if (types[i] == Q4_KX8) {
+        x8_dequant(ws[i].data_ptr<uint8_t>(), K / 256, a - off[i], b - off[i], yp + off[i] * K);
+        continue;
+      }
       dispatch<DequantRows>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), a - off[i], b - off[i], K,
                             yp + a * K);
     }
@@ -665,14 +857,29 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
   return y;
 }
 
+// Q4_K weights uint8 [N, K / 256 * 144] (N % 8 == 0) in the Q4_Kx8 layout: uint8 [N / 8, K / 256 * X8_BYTES]
+at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
+  TORCH_CHECK(t == Q4_K, "gguf_repack: only Q4_K (type 12) is repacked, got type ", t);
+  check_weight(w, t, K);
+  const int64_t N = w.size(0), nsb = K / 256;
+  TORCH_CHECK(N % 8 == 0, "gguf_repack: the row count (", N, ") must be a multiple of 8");
+  at::Tensor out = at::empty({N / 8, nsb * X8_BYTES}, w.options().dtype(at::kByte));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) { x8_repack(wp, w.stride(0), nsb, g0, g1, op); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
   m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
+  m.def("gguf_repack(Tensor w, int type, int K) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_repack", &gguf_repack);
 }
