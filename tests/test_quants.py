@@ -367,8 +367,8 @@ def test_kquant_prompt_chunks_stay_on_the_kernel_row_for_row(qtype):
 @needs_kernel
 def test_gguf_linear_fuses_types_and_slices_rows():
     """q (Q5_0), k (Q4_K) and v (Q8_0) of mixed types run as one call in order; `rows` (the MTP
-    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) of a matrix with 32-weight
-    blocks go through the fp32 GEMM."""
+    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) take the integer chunk
+    kernels (the same formula: x quantized per block) in one call too."""
     from mtpllm.runtime.linear import GEMM_MIN_ROWS, Linear
     k = 512
     parts = [(t, n, _raw(t, n, k, i)) for i, (t, n) in enumerate([(QT.Q5_0, 64), (QT.Q4_K, 32), (QT.Q8_0, 32)])]
@@ -381,7 +381,9 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     ref = torch.cat([_kernel_reference(x, w[:64]), _kernel_reference(x, w[64:96], 256), _kernel_reference(x, w[96:])], 1)
     torch.testing.assert_close(lin(x), ref + lin.bias, rtol=1e-5, atol=1e-4)
     xb = torch.randn(GEMM_MIN_ROWS, k)
-    torch.testing.assert_close(lin(xb), xb @ w.t() + lin.bias, rtol=1e-5, atol=1e-4)
+    ref = torch.cat([_kernel_reference(xb, w[:64]), _kernel_reference(xb, w[64:96], 256),
+                     _kernel_reference(xb, w[96:])], 1)
+    torch.testing.assert_close(lin(xb), ref + lin.bias, rtol=1e-5, atol=1e-4)
     head = Linear("gguf", None, None, in_features=k, ggufs=[lin.ggufs[0]])
     ids = torch.tensor([3, 0, 17])
     sub = head.rows(ids)
@@ -460,6 +462,40 @@ def test_linear_repacks_q4k_at_load(tmp_path, monkeypatch):
     assert torch.equal(lin.rows(ids).dequantized(), plain.dequantized()[ids])
 
 
+CHUNK = [QT.Q4_0, QT.Q5_0, QT.Q8_0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", CHUNK)
+@pytest.mark.parametrize("m", [1, 32, 37])
+def test_prompt_chunk_gemm_matches_reference(qtype, m):
+    """The 8-row prompt-chunk GEMM for 32-weight blocks computes the int8-activation formula to
+    float32 accumulation error and the exact product within the activation-rounding bound; N = 45
+    leaves a partial group of 5 weight rows, K = 800 an odd number of blocks; every row equals its
+    one-row call bit for bit, whatever the thread count (a prompt split into other chunks gives the
+    same values)."""
+    n, k = 45, 800
+    raw = _raw(qtype, n, k, 9)
+    w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[:, 5] *= 20
+    y = kernels.gguf_linear_chunk(x, [_blocks(raw)], [int(qtype)])
+    ref = _kernel_reference(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = x.double() @ w.double().t()
+    d = x.double().reshape(m, k // 32, 32).abs().amax(-1) / 127
+    bound = d / 2 @ w.double().abs().reshape(n, k // 32, 32).sum(-1).t()
+    assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(kernels.gguf_linear_chunk(x[i:i + 1].contiguous(), [_blocks(raw)], [int(qtype)]), y[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.gguf_linear_chunk(x, [_blocks(raw)], [int(qtype)]), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernel
 def test_gguf_kernel_rejects_mismatched_blocks():
     """A byte count that does not match the type and K is an error, not a wild read."""
@@ -475,7 +511,7 @@ import sys, numpy as np, torch
 from mtpllm.runtime import kernels
 assert kernels.available(), kernels.status()
 data = torch.load(sys.argv[1])
-torch.save([kernels.gguf_linear(x, [w], [t]) for x, w, t in data], sys.argv[2])
+torch.save([getattr(kernels, op)(x, [w], [t]) for x, w, t, op in data], sys.argv[2])
 print(kernels.status())
 """
 
@@ -496,11 +532,13 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
         for m in (1, 4, 9, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + i))
             x[:, 7] *= 30
-            data.append((x, w, int(qtype)))
+            data.append((x, w, int(qtype), "gguf_linear"))
+            if qtype in CHUNK:
+                data.append((x, w, int(qtype), "gguf_linear_chunk"))
     for m in (1, 2, 3, 4, 5, 9, 40):  # Q4_K repacked by 8 rows: tiles of 4 (VNNI) and 2 (AVX2) rows of x
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + m))
         x[:, 7] *= 30
-        data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8))
+        data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8, "gguf_linear"))
     torch.save(data, tmp_path / "in.pt")
     env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
@@ -508,5 +546,5 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "built (avx2)" in r.stdout
     assert kernels.status() == "built (avx512vnni)"
-    for (x, w, t), y2 in zip(data, torch.load(tmp_path / "out.pt")):
-        assert torch.equal(kernels.gguf_linear(x, [w], [t]), y2), (t, x.shape)
+    for (x, w, t, op), y2 in zip(data, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(getattr(kernels, op)(x, [w], [t]), y2), (t, x.shape, op)

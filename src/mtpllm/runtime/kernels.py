@@ -120,6 +120,7 @@ def _build() -> None:
             _state["gguf_linear"] = torch.ops.mtpllm.gguf_linear
             _state["gguf_dequantize"] = torch.ops.mtpllm.gguf_dequantize
             _state["gguf_repack"] = torch.ops.mtpllm.gguf_repack
+            _state["gguf_linear_chunk"] = torch.ops.mtpllm.gguf_linear_chunk
             _state["rms_norm"] = torch.ops.mtpllm.rms_norm
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
             _state["isa"] = name
@@ -166,6 +167,13 @@ def gguf_linear(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) 
     """x [M, K] float32 @ W^T, W the row-wise concatenation of GGUF block matrices `weights`
     (uint8 [N_i, row bytes], GGML type ids `types`) -> [M, sum N_i] float32."""
     return _op("gguf_linear")(x, weights, types)
+
+
+def gguf_linear_chunk(x: torch.Tensor, weights: list[torch.Tensor], types: list[int]) -> torch.Tensor:
+    """`gguf_linear` for prompt chunks: Q4_0/Q5_0/Q8_0 matrices are multiplied 8 weight rows at a
+    time against all rows of x (decoded once per 8 rows; integer sums per block). Each row of the
+    result depends on its own row of x only, with another rounding than `gguf_linear`'s."""
+    return _op("gguf_linear_chunk")(x, weights, types)
 
 
 def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> torch.Tensor:

@@ -37,14 +37,15 @@ from ..gguf.reader import GGUFFile
 from . import kernels
 
 INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
-# From this many rows on (prompt chunks), weights other than K-quants are dequantized and
-# multiplied by an fp32 GEMM (the 32-weight block kernel converts every block's sum to float and
-# loses to the GEMM there; K-quant matrices stay on the integer kernel, ~1.3-2x the GEMM). Kept
-# above the largest verification block (1 + 16 drafts) so decoding and verification always use
-# the same row-independent kernel.
+# From this many rows on (prompt chunks), Q4_0/Q5_0/Q8_0 matrices take the 8-row integer GEMM
+# (`kernels.gguf_linear_chunk`; other 32-weight block types: dequantized, fp32 GEMM); K-quant
+# matrices stay on their tile kernel. Kept above the largest verification block (1 + 16 drafts) so
+# decoding and verification always use the same one-row arithmetic.
 GEMM_MIN_ROWS = 32
 # super-block types the kernel sums in int32 per 256 weights (it runs prompt chunks too)
 K_QUANTS = (int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K))
+# 32-weight block types with an integer prompt-chunk kernel (`kernels.gguf_linear_chunk`)
+CHUNK_TYPES = (int(QT.Q4_0), int(QT.Q5_0), int(QT.Q8_0))
 
 
 def _raw_blocks(raw: np.ndarray, n: int, n_blocks: int, block_bytes: int) -> torch.Tensor:
@@ -242,6 +243,9 @@ class Linear(torch.nn.Module):
         self._gw = [w for w, _ in packed or self.ggufs]
         self._gt = [t for _, t in packed or self.ggufs]
         self._kquant = bool(self._gt) and all(t in K_QUANTS or t == kernels.Q4_KX8 for t in self._gt)
+        # every part has an integer prompt-chunk kernel (K-quants, Q4_0/Q5_0/Q8_0's 8-row GEMM)
+        self._chunked = bool(self._gt) and all(t in K_QUANTS or t in CHUNK_TYPES or t == kernels.Q4_KX8
+                                               for t in self._gt)
         if kind == "blocks":
             out_features = sum(b.shape[0] for b in self.blocks)
             in_features = self.blocks[0].shape[1]
@@ -263,10 +267,14 @@ class Linear(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= GEMM_MIN_ROWS and self.kind == "gguf" and self._chunked:
+            # prompt chunks: K-quants on their tile kernel, Q4_0/Q5_0/Q8_0 on the 8-row integer GEMM
+            # (~2.3x the fp32 GEMM on dequantized weights, which also needed a float32 copy per call)
+            y = kernels.gguf_linear_chunk(x.contiguous(), self._gw, self._gt)
+            return y + self.bias if self.bias is not None else y
         if x.shape[0] >= GEMM_MIN_ROWS and (self.kind == "blocks" or (self.kind == "gguf" and not self._kquant)):
-            # prompt chunks of 32-weight block types: the fp32 GEMM on the file's exact weights beats
-            # the integer kernel, which converts every block's sum to float (K-quants sum a whole
-            # super-block in int32 and stay on the kernel: measured 1.3x the fp32 GEMM's prefill)
+            # prompt chunks of the other block types (Q4_1, Q5_1, ...): the fp32 GEMM on the file's
+            # exact weights beats the one-row integer kernel
             return F.linear(x, self.dequantized(), self.bias)
         if self.kind == "gguf":
             y = kernels.gguf_linear(x.contiguous(), self._gw, self._gt)

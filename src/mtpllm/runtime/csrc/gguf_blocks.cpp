@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <sys/mman.h>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -679,6 +680,135 @@ void x8_dequant(const uint8_t* w, int64_t nsb, int64_t n0, int64_t n1, float* y)
     }
 }
 
+// Prompt chunks of the 32-weight block types (Q4_0, Q5_0, Q8_0): 8 weight rows at a time are decoded
+// once into a small buffer, each block's codes interleaved by 4 (one 256-bit register holds codes
+// 4c..4c+3 of the 8 rows: an 8 x 8 transpose of 32-bit words), and every row of x is multiplied
+// against them: vpdpbusd multiplies 4 weights of 8 rows by 4 broadcast activations, summing into
+// int32 per row (the offset term, -OFF * sum(x), as its start value), then one float multiply-add
+// per block for the 8 rows. The decode is paid once per 8 weight rows and all rows of x, not per
+// row pair. Each output is the sum over blocks, in block order, of d_w * d_x * (integer block sum):
+// from its own row of x only, so any split of a prompt into chunks gives the same values (not the
+// same rounding as the one-row kernel, whose float sums run in two chains; decoding never comes here).
+inline void transpose8x32(__m256i v[8]) {
+  __m256i t[8], u[8];
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_epi32(v[j], v[j + 1]);
+    t[j + 1] = _mm256_unpackhi_epi32(v[j], v[j + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+    u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+    u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+    u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    v[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+    v[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+  }
+}
+
+// weight rows [n, n + rows) (rows <= 8; missing rows decode as zeros with d = 0) -> codes
+// [nb][8 chunks][32 bytes], d [nb][8]
+template <class T>
+inline void c32_unpack(const uint8_t* w, int64_t row_bytes, int64_t n, int rows, int64_t nb, uint8_t* codes,
+                       float* d) {
+  auto none = [](__m256) {};
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_setzero_si256();
+      d[b * 8 + j] = 0.0f;
+      if (j < rows)
+        T::each(w + (n + j) * row_bytes + b * T::BYTES, [&](int, __m256i c, __m256 s, float) {
+          v[j] = c;
+          d[b * 8 + j] = _mm256_cvtss_f32(s);
+        }, none);
+    }
+    transpose8x32(v);
+    for (int c = 0; c < 8; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 256 + 32 * c), v[c]);
+  }
+}
+
+// RM rows of x (int8 codes xq [RM, K], block scales xd [RM, nb], block code sums xs [RM, nb])
+// against the 8 unpacked weight rows: facc[r] lane j = row j's output for x row r
+template <class T, int RM>
+inline void c32_tile(const uint8_t* codes, const float* dw, int64_t nb, const int8_t* xq, const float* xd,
+                     const int32_t* xs, int64_t K, __m256* facc_out) {
+  __m256 facc[RM];
+  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
+#if !MTPLLM_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i cv[8];
+    for (int c = 0; c < 8; ++c) cv[c] = loadu(codes + b * 256 + 32 * c);
+    const __m256 d8 = _mm256_loadu_ps(dw + b * 8);
+    for (int r = 0; r < RM; ++r) {
+      const int8_t* x = xq + r * K + 32 * b;
+      __m256i acc = T::OFF ? _mm256_set1_epi32(-T::OFF * xs[r * nb + b]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        int32_t x4;
+        std::memcpy(&x4, x + 4 * c, 4);
+        const __m256i xb = _mm256_set1_epi32(x4);
+#if MTPLLM_VNNI
+        acc = _mm256_dpbusd_epi32(acc, cv[c], xb);
+#else  // signed codes (Q8_0): |w| times x with w's sign, as the one-row kernel (pairs <= 2 * 128 * 127)
+        const __m256i p = T::SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(cv[c], cv[c]), _mm256_sign_epi8(xb, cv[c]))
+                                    : _mm256_maddubs_epi16(cv[c], xb);
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+#endif
+      }
+      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + b])), facc[r]);
+    }
+  }
+  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
+}
+
+#if MTPLLM_VNNI
+constexpr int C32_RM = 4;
+#else
+constexpr int C32_RM = 2;
+#endif
+
+template <class T, int RM = C32_RM>
+inline void c32_tile_rm(int rm, const uint8_t* codes, const float* dw, int64_t nb, const int8_t* xq, const float* xd,
+                        const int32_t* xs, int64_t K, __m256* facc) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return c32_tile_rm<T, RM - 1>(rm, codes, dw, nb, xq, xd, xs, K, facc);
+  }
+  c32_tile<T, RM>(codes, dw, nb, xq, xd, xs, K, facc);
+}
+
+// Rows [n0, n1) of W (a 32-weight block type) against the M rows of x (quantized per 32: x.q, x.d;
+// block code sums xs) into y[:, n0:n1]
+template <class T>
+void c32_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Act& x, const int32_t* xs, int64_t M,
+              float* y, int64_t ldy) {
+  const int64_t K = x.K, nb = K / 32;
+  std::vector<uint8_t> codes(nb * 256);
+  std::vector<float> dw(nb * 8);
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int rows = static_cast<int>(std::min<int64_t>(8, n1 - n));
+    c32_unpack<T>(w, row_bytes, n, rows, nb, codes.data(), dw.data());
+    for (int64_t m = 0; m < M; m += C32_RM) {
+      const int rm = static_cast<int>(std::min<int64_t>(C32_RM, M - m));
+      __m256 facc[C32_RM];
+      for (int r = 0; r < C32_RM; ++r) facc[r] = _mm256_setzero_ps();
+      c32_tile_rm<T>(rm, codes.data(), dw.data(), nb, x.q + m * K, x.d + m * nb, xs + m * nb, K, facc);
+      for (int r = 0; r < rm; ++r) {
+        if (rows == 8) {
+          _mm256_storeu_ps(y + (m + r) * ldy + n, facc[r]);
+        } else {
+          alignas(32) float t[8];
+          _mm256_store_ps(t, facc[r]);
+          for (int j = 0; j < rows; ++j) y[(m + r) * ldy + n + j] = t[j];
+        }
+      }
+    }
+  }
+}
+
 // Dequantize rows [n0, n1) of one matrix into y (float32, row stride K)
 template <class T>
 void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y) {
@@ -758,8 +888,11 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
               " for GGML type ", t);
 }
 
-// y = x @ W^T for W = the row-wise concatenation of ws (GGUF blocks of types `types`)
-at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+bool c32_type(int64_t t) { return t == Q4_0 || t == Q5_0 || t == Q8_0; }
+
+// y = x @ W^T for W = the row-wise concatenation of ws (GGUF blocks of types `types`); `chunk`:
+// a prompt chunk, whose Q4_0/Q5_0/Q8_0 matrices take the 8-row GEMM (c32_rows)
+at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, bool chunk) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one GGML type per weight");
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
@@ -786,9 +919,18 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
       ks(any_k ? M * nb : 0);
   std::vector<int16_t> kb(any_k ? M * K / 16 : 0), kb32(any_k ? M * nb : 0);
   std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0), o8(any_q8 ? M * K / OFF_PER : 0);
+  bool any_c32 = false;
+  for (size_t i = 0; i < ws.size(); ++i) any_c32 |= chunk && c32_type(types[i]);
+  std::vector<int32_t> bsum(any_c32 ? M * nb : 0);  // sums of x's codes per block (c32_rows' offset terms)
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (any_32) quantize_row(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, 32);
+      if (any_c32)
+        for (int64_t j = 0; j < nb; ++j) {
+          int32_t sum = 0;
+          for (int k = 0; k < 32; ++k) sum += xq[m * K + 32 * j + k];
+          bsum[m * nb + j] = sum;
+        }
       if (any_q4 || any_q5 || any_q8) {  // the offset terms (see Off): 8, 16, 128 times sums of codes
         const __m256i one = _mm256_set1_epi8(1);
         for (int64_t j = 0; j < nb; ++j) {
@@ -825,11 +967,30 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
         x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
         continue;
       }
+      if (chunk && c32_type(types[i])) {
+        const uint8_t* wp = ws[i].data_ptr<uint8_t>();
+        const int64_t rb = ws[i].stride(0);
+        float* yo = yp + off[i];
+        switch (types[i]) {
+          case Q4_0: c32_rows<TQ4_0>(wp, rb, lo - off[i], hi - off[i], a, bsum.data(), M, yo, N); break;
+          case Q5_0: c32_rows<TQ5_0>(wp, rb, lo - off[i], hi - off[i], a, bsum.data(), M, yo, N); break;
+          default: c32_rows<TQ8_0>(wp, rb, lo - off[i], hi - off[i], a, bsum.data(), M, yo, N); break;
+        }
+        continue;
+      }
       dispatch<RowsOf>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], a, ak, M,
                        yp + off[i], N);
     }
   });
   return y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  return gguf_linear_impl(x, ws, types, false);
+}
+
+at::Tensor gguf_linear_chunk(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  return gguf_linear_impl(x, ws, types, true);
 }
 
 // The float32 weights [sum N_i, K] of the row-wise concatenation of GGUF block matrices ws
@@ -857,6 +1018,17 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
   return y;
 }
 
+// Ask for transparent huge pages over the 2 MiB-aligned interior of a fresh allocation (before it is
+// written): the kernels stream every weight once per token, and with 4 KiB pages that is a TLB miss
+// every 4 KiB. Only advice: where THP is off or unavailable nothing changes.
+inline void advise_huge_pages(void* p, int64_t n) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t H = 2u << 20;
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + H - 1) & ~(H - 1), e = (reinterpret_cast<uintptr_t>(p) + n) & ~(H - 1);
+  if (e > b) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+#endif
+}
+
 // Q4_K weights uint8 [N, K / 256 * 144] (N % 8 == 0) in the Q4_Kx8 layout: uint8 [N / 8, K / 256 * X8_BYTES]
 at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
   TORCH_CHECK(t == Q4_K, "gguf_repack: only Q4_K (type 12) is repacked, got type ", t);
@@ -866,6 +1038,7 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
   at::Tensor out = at::empty({N / 8, nsb * X8_BYTES}, w.options().dtype(at::kByte));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
+  advise_huge_pages(op, out.numel());
   at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) { x8_repack(wp, w.stride(0), nsb, g0, g1, op); });
   return out;
 }
@@ -876,10 +1049,12 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
   m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
   m.def("gguf_repack(Tensor w, int type, int K) -> Tensor");
+  m.def("gguf_linear_chunk(Tensor x, Tensor[] ws, int[] types) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_repack", &gguf_repack);
+  m.impl("gguf_linear_chunk", &gguf_linear_chunk);
 }
