@@ -646,12 +646,19 @@ void x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int
           const uint8_t mn = g < 4 ? (s[g + 4] & 63) : ((s[g + 4] >> 4) | ((s[g] >> 6) << 4));
           o[X8_SC + 8 * g + r] = sc;
           o[X8_MN + 16 * (g / 2) + 2 * r + (g & 1)] = mn;
-          const uint8_t* qs = b + 16 + 32 * (g / 2);  // codes of group g: nibble g & 1 of these 32 bytes
-          const int sh = (g & 1) * 4;
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j)
-              o[128 * g + 32 * c + 4 * r + j] = static_cast<uint8_t>(((qs[4 * c + j] >> sh) & 15) |
-                                                                     (((qs[16 + 4 * c + j] >> sh) & 15) << 4));
+          // codes of group g: nibble g & 1 of 32 bytes; codes t and 16 + t share output byte t
+          const __m128i m4 = _mm_set1_epi8(0x0F);
+          const uint8_t* qs = b + 16 + 32 * (g / 2);
+          __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+          __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+          if (g & 1) {
+            lo = _mm_srli_epi16(lo, 4);
+            hi = _mm_srli_epi16(hi, 4);
+          }
+          const __m128i v = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m4), 4));
+          alignas(16) uint32_t words[4];
+          _mm_store_si128(reinterpret_cast<__m128i*>(words), v);
+          for (int c = 0; c < 4; ++c) std::memcpy(o + 128 * g + 32 * c + 4 * r, words + c, 4);  // bytes 4c..4c+3
         }
       }
     }
