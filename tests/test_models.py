@@ -252,3 +252,53 @@ def test_moving_a_model_moves_every_weight(tiny_models):
     if any(mod.kind in ("gguf", "blocks") for mod in fast.modules() if isinstance(mod, Linear)):
         with pytest.raises(RuntimeError, match="CPU kernels"):
             fast.to("meta")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_decode_stack_equals_the_per_operator_blocks(tiny_models, arch, monkeypatch):
+    """Decoding and verification rows run every block in one C++ call (`DecodeStack`); it computes
+    exactly what the modules compute operator by operator (same kernels, same order), bit for bit:
+    prompt rows, one-token steps and a verification block. Gemma 3 (sliding windows, sandwich
+    norms, GELU) stays on the modules."""
+    from mtpllm.models import base, layers
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    toks = torch.randint(0, 200, (30,), generator=torch.Generator().manual_seed(5))
+
+    def run(m):
+        cache = m.make_cache(64)
+        out = [m.logits(m(toks[:9], cache))]
+        out += [m.logits(m(toks[i:i + 1], cache)) for i in range(9, 20)]
+        out.append(m.logits(m(toks[20:30], cache)))
+        return torch.cat(out)
+
+    native = load_model(tiny_models[arch], "fast")
+    got = run(native)
+    assert native._stack is not False and native._stack.size() == native.cfg.n_layers
+    monkeypatch.setattr(base, "native_rows", lambda x, kv: False)
+    monkeypatch.setattr(layers, "native_rows", lambda x, kv: False)
+    plain = load_model(tiny_models[arch], "fast")
+    assert torch.equal(got, run(plain)) and plain._stack is None
+
+
+def test_decode_stack_leaves_other_layouts_to_the_modules(tiny_models):
+    from mtpllm.models.layers import decode_stack
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    assert decode_stack(list(load_model(tiny_models["gemma3"], "fast").blocks)) is None  # windows, GELU
+    assert decode_stack(list(load_model(tiny_models["qwen2"], "f32").blocks)) is None  # float32 weights
+    m = load_model(tiny_models["gemma3"], "fast")
+    m(torch.arange(1, 6), m.make_cache(64))
+    assert m._stack is False
+
+
+def test_silu_mul_matches_pytorch():
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    gu = torch.randn(3, 2 * 83, generator=torch.Generator().manual_seed(1)) * 6  # 83: a scalar tail
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    g, u = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gu), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=1e-7)

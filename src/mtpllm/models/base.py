@@ -22,7 +22,7 @@ from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
 from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
-from .layers import MLP, Attention, Block, RMSNorm, Rotary, rope_inv_freq
+from .layers import MLP, Attention, Block, RMSNorm, Rotary, decode_stack, native_rows, rope_inv_freq, run_stack
 
 ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3")
 
@@ -92,6 +92,7 @@ class Transformer(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.source: Path | None = None
+        self._stack = None  # all blocks as one C++ DecodeStack (built on first use); False: not covered
 
     def make_cache(self, max_len: int, device="cpu") -> KVCache:
         c = self.cfg
@@ -105,6 +106,14 @@ class Transformer(nn.Module):
         if positions is None or positions.shape[0] != T:
             raise MtpllmError(f"context overflow: {cache.length} + {T} tokens exceed the context size {cache.max_len}")
         x = self.embed(tokens)
+        if native_rows(x, cache):  # decoding / verification: every block in one C++ call
+            if self._stack is None:
+                stack = decode_stack(list(self.blocks))
+                self._stack = False if stack is None else stack
+            if self._stack is not False:
+                x = run_stack(self._stack, list(self.blocks), x, cache.length, cache, 0, len(self.blocks))
+                cache.advance(T)
+                return self.norm(x)
         for i, blk in enumerate(self.blocks):
             x = blk(x, positions, cache, i)
         cache.advance(T)

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import MtpllmError
 from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache
+from ..runtime.linear import GEMM_MIN_ROWS, Linear
 from .config import ModelConfig, RopeConfig
 
 ROW_BY_ROW_MAX = 32  # blocks up to this many tokens (speculative verification) attend row by row
@@ -193,10 +194,13 @@ class MLP(nn.Module):
     def __init__(self, gate_up: nn.Module, down: nn.Module, act: str):
         super().__init__()
         self.gate_up, self.down = gate_up, down
+        self.act_name = act
         self.act = F.silu if act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
+        if self.act_name == "silu" and _fused(gu):
+            return self.down(kernels.silu_mul(gu))  # the arithmetic of the C++ blocks (DecodeStack)
         gate, up = gu.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
@@ -209,8 +213,15 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
         self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
+        self._native = None  # this block alone as a DecodeStack; False where it does not apply
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
+        if native_rows(x, kv):
+            if self._native is None:
+                stack = decode_stack([self])
+                self._native = False if stack is None else stack
+            if self._native is not False:
+                return run_stack(self._native, [self], x, int(positions[0]), kv, layer, 1)
         h = self.attn(self.attn_norm(x), positions, kv, layer)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
@@ -219,3 +230,59 @@ class Block(nn.Module):
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h
+
+
+# ---------------------------------------------------------------------------- C++ decode path
+def native_rows(x: torch.Tensor, kv) -> bool:
+    """Whether blocks over x [T, D] can run as a `DecodeStack`: decoding or verification rows
+    (T < GEMM_MIN_ROWS: the one-row kernels and fused attention, as the per-operator path uses
+    there), one sequence's cache without sliding-window rings, inference on the CPU kernels."""
+    return x.shape[0] < GEMM_MIN_ROWS and type(kv) is KVCache and not any(kv.ring) and _fused(x)
+
+
+def _stack_args(b: Block) -> tuple | None:
+    """`DecodeStack.add_layer`'s weights of a block, or None for a layout it does not cover."""
+    a, m = b.attn, b.mlp
+    lins = (a.qkv, a.out, m.gate_up, m.down)
+    if b.post_attn_norm is not None or b.post_ffn_norm is not None or a.window or m.act_name != "silu" \
+            or not all(isinstance(lin, Linear) and lin.kind == "gguf" for lin in lins) \
+            or any(lin.bias is not None for lin in lins[1:]) or b.attn_norm.eps != b.ffn_norm.eps:
+        return None
+    return ([a.qkv._gw, a.qkv._gt, a.qkv.bias, a.out._gw, a.out._gt, m.gate_up._gw, m.gate_up._gt, m.down._gw,
+             m.down._gt, b.attn_norm.weight.data, b.ffn_norm.weight.data],
+            (a.q_norm.weight.data if a.q_norm is not None else None,
+             a.k_norm.weight.data if a.k_norm is not None else None))
+
+
+def _attn_key(b: Block) -> tuple:
+    a = b.attn
+    qk_eps = a.q_norm.eps if a.q_norm is not None else 1e-6
+    return (a.n_heads, a.n_kv, a.hd, a.rotary.rot_dim, a.rotary.style == "neox",
+            a.scale or 1.0 / math.sqrt(a.hd), b.attn_norm.eps, qk_eps)
+
+
+def decode_stack(blocks: list[Block]):
+    """The blocks as one C++ `DecodeStack` (csrc/decode.cpp: one call per step instead of ~13
+    operators and ~10 module calls per block), or None if one of them is outside what it covers
+    or they differ in attention shape or rotary. Weights are shared with the modules."""
+    if not blocks or not kernels.available():
+        return None
+    args = [_stack_args(b) for b in blocks]
+    if any(a is None for a in args) or len({_attn_key(b) for b in blocks}) != 1 \
+            or len({id(b.attn.rotary) for b in blocks}) != 1:
+        return None
+    stack = kernels.decode_stack(*_attn_key(blocks[0]))
+    for i, (w, (qn, kn)) in enumerate(args):
+        stack.add_layer(*w, qn, kn, i)
+    return stack
+
+
+def run_stack(stack, blocks: list[Block], x: torch.Tensor, start: int, kv: KVCache, first: int,
+              count: int) -> torch.Tensor:
+    """The `count` blocks of `stack` (`blocks`, their modules) over x [T, D] at positions
+    [start, start + T), on cache layers [first, first + count) -> the residual stream after them."""
+    T = x.shape[0]
+    if start + T > kv.max_len:
+        raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
+    cos, sin = blocks[0].attn.rotary.tables(start + T, x.device)
+    return stack.forward(x, kv.k[first:first + count], kv.v[first:first + count], cos, sin, start, 0, count)

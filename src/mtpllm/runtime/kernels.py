@@ -7,6 +7,8 @@
 - `q8_linear(x, codes, scales, mins, group)`: the same for other types, kept as integer codes with
   per-group scales (csrc/qgemv.cpp).
 - `rms_norm`, `attend_cached`: the small per-layer operators of decoding fused (csrc/attention.cpp).
+- `silu_mul`, `DecodeStack`: whole decoder blocks in one call for decoding and verification
+  (csrc/decode.cpp), the same arithmetic as the per-operator path.
 
 The extension is built with the system C++ compiler through torch.utils.cpp_extension (ninja) into
 the torch extensions cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp"]
+_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp"]
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
 # the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
@@ -123,6 +125,7 @@ def _build() -> None:
             _state["gguf_linear_chunk"] = torch.ops.mtpllm.gguf_linear_chunk
             _state["rms_norm"] = torch.ops.mtpllm.rms_norm
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
+            _state["silu_mul"] = torch.ops.mtpllm.silu_mul
             _state["isa"] = name
             return
         except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
@@ -205,3 +208,16 @@ def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: t
     [KV, max_len, D], causal attention over positions [0, start + t] -> [T, H * D]."""
     return _op("attend_cached")(qkv, cos, sin, kc, vc, start, n_heads, n_kv, head_dim, rot_dim, neox, scale,
                                 q_norm, k_norm, eps)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2F] float32 (gate | up) -> silu(gate) * up [T, F] (csrc/decode.cpp)."""
+    return _op("silu_mul")(gu)
+
+
+def decode_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float, eps: float,
+                 qk_eps: float):
+    """An empty `DecodeStack` (csrc/decode.cpp): decoder blocks added with `add_layer(...)`, run for
+    T < 32 rows with `forward(x, k, v, cos, sin, start, first, count)`."""
+    _op("silu_mul")  # builds the extension (and fails with its reason) first
+    return torch.classes.mtpllm.DecodeStack(n_heads, n_kv, head_dim, rot_dim, neox, scale, eps, qk_eps)

@@ -18,28 +18,8 @@
 #include "common.h"
 
 namespace {
+using mtpllm::exp256;
 using mtpllm::hsum;
-
-// exp(x) for x <= 0 (softmax after max subtraction): Cephes-style range reduction + polynomial,
-// relative error ~1e-7.
-inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // x - fx * ln2 in two steps for precision
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
@@ -204,6 +184,17 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
 }
 
 }  // namespace
+
+namespace mtpllm {
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
+                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double eps) {
+  return attend_cached(qkv, cos, sin, kc, vc, start, n_heads, n_kv, head_dim, rot_dim, neox, scale, q_norm, k_norm,
+                       eps);
+}
+}  // namespace mtpllm
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

@@ -1052,6 +1052,12 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
 
 }  // namespace
 
+namespace mtpllm {
+at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  return gguf_linear_impl(x, ws, types, false);
+}
+}  // namespace mtpllm
+
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
   m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");

@@ -1,0 +1,144 @@
+// Decoder blocks run whole in C++ for decoding and verification blocks (T < 32 rows):
+//
+//   silu_mul(gu)          gu [T, 2F] (gate | up) -> silu(gate) * up [T, F]
+//   DecodeStack           a list of pre-norm blocks (Qwen2/Qwen3/Llama shape) over the GGUF kernels:
+//     add_layer(...)      one block's weights (the tensors the Python modules hold, shared, not copied)
+//     forward(x, k, v, cos, sin, start, first, count)
+//                         blocks [first, first + count) over x [T, D] at positions [start, start + T);
+//                         k, v: the KV cache [layers, KV, max_len, D]; returns the residual stream
+//
+// One call per token instead of ~13 PyTorch operators and ~10 module calls per block from Python:
+// that dispatch cost was 2.8-4 ms of a 19-20 ms step of the 0.5B (`docs/profile.md`). The arithmetic
+// is the Python path's, operator for operator (the same kernels: gguf_linear_rows, rms_norm_rows,
+// attend_rows, silu_mul; additions of the bias and residuals are elementwise float adds), so a block
+// gives bit-identical results either way: the Python path stays in use for batched decoding, prompt
+// chunks, autograd (MTP training) and the layouts this class does not cover (sliding windows,
+// sandwich norms, GELU, other weight formats).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <cmath>
+#include <vector>
+#include "common.h"
+
+namespace mtpllm {
+at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types);
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
+                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
+                       const c10::optional<at::Tensor>& k_norm, double eps);
+}  // namespace mtpllm
+
+namespace {
+using mtpllm::exp256;
+
+// silu(g) * u for one row of F gates and F ups. sigmoid(g) from e = exp(-|g|) (<= 1, no overflow):
+// 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline void silu_mul_row(const float* g, const float* u, float* y, int64_t F) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= F; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_or_ps(gv, sign));  // exp(-|g|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < F; ++i) {
+    const float e = std::exp(-std::fabs(g[i]));
+    const float inv = 1.0f / (1.0f + e);
+    y[i] = g[i] * (g[i] < 0.0f ? e * inv : inv) * u[i];
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.size(1) % 2 == 0,
+              "silu_mul: float32 [T, 2F] (gate | up)");
+  at::Tensor c = gu.contiguous();
+  const int64_t T = c.size(0), F = c.size(1) / 2;
+  at::Tensor y = at::empty({T, F}, c.options());
+  const float* p = c.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) silu_mul_row(p + t * 2 * F, p + t * 2 * F + F, yp + t * F, F);
+  return y;
+}
+
+struct Layer {
+  std::vector<at::Tensor> qkv_w, o_w, gu_w, down_w;  // GGUF block matrices (gguf_linear's layout)
+  std::vector<int64_t> qkv_t, o_t, gu_t, down_t;     // their GGML (or engine) type ids
+  at::Tensor qkv_b;                                  // [q + k + v] bias, or undefined
+  at::Tensor attn_norm, ffn_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;          // Qwen3's per-head norms
+  int64_t slot;                                      // the layer's index in the KV cache
+};
+
+struct DecodeStack : torch::CustomClassHolder {
+  int64_t n_heads, n_kv, head_dim, rot_dim;
+  bool neox;
+  double scale, eps, qk_eps;
+  std::vector<Layer> layers;
+
+  DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
+              double qk_eps)
+      : n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), rot_dim(rot_dim), neox(neox), scale(scale), eps(eps),
+        qk_eps(qk_eps) {}
+
+  void add_layer(std::vector<at::Tensor> qkv_w, std::vector<int64_t> qkv_t, c10::optional<at::Tensor> qkv_b,
+                 std::vector<at::Tensor> o_w, std::vector<int64_t> o_t, std::vector<at::Tensor> gu_w,
+                 std::vector<int64_t> gu_t, std::vector<at::Tensor> down_w, std::vector<int64_t> down_t,
+                 at::Tensor attn_norm, at::Tensor ffn_norm, c10::optional<at::Tensor> q_norm,
+                 c10::optional<at::Tensor> k_norm, int64_t slot) {
+    auto same = [](const std::vector<at::Tensor>& w, const std::vector<int64_t>& t) {
+      TORCH_CHECK(!w.empty() && w.size() == t.size(), "DecodeStack: one type per weight");
+    };
+    same(qkv_w, qkv_t);
+    same(o_w, o_t);
+    same(gu_w, gu_t);
+    same(down_w, down_t);
+    TORCH_CHECK(attn_norm.scalar_type() == at::kFloat && attn_norm.is_contiguous() &&
+                    ffn_norm.scalar_type() == at::kFloat && ffn_norm.is_contiguous(),
+                "DecodeStack: contiguous float32 norm weights");
+    Layer L{std::move(qkv_w), std::move(o_w), std::move(gu_w), std::move(down_w), std::move(qkv_t), std::move(o_t),
+            std::move(gu_t), std::move(down_t), qkv_b.has_value() ? *qkv_b : at::Tensor(), attn_norm, ffn_norm,
+            q_norm, k_norm, slot};
+    layers.push_back(std::move(L));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  at::Tensor forward(at::Tensor x, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin, int64_t start,
+                     int64_t first, int64_t count) {
+    TORCH_CHECK(first >= 0 && count >= 0 && first + count <= size(), "DecodeStack: layers out of range");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "DecodeStack: x float32 [T, D]");
+    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "DecodeStack: caches [layers, KV, max_len, D]");
+    x = x.contiguous();
+    for (int64_t i = first; i < first + count; ++i) {
+      const Layer& L = layers[i];
+      TORCH_CHECK(L.slot < k.size(0), "DecodeStack: cache has no slot ", L.slot);
+      at::Tensor qkv = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.attn_norm, eps), L.qkv_w, L.qkv_t);
+      if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
+      at::Tensor o = mtpllm::attend_rows(qkv, cos, sin, k.select(0, L.slot), v.select(0, L.slot), start, n_heads,
+                                         n_kv, head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
+      x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
+      at::Tensor gu = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.ffn_norm, eps), L.gu_w, L.gu_t);
+      x.add_(mtpllm::gguf_linear_rows(silu_mul(gu), L.down_w, L.down_t));
+    }
+    return x;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("size", &DecodeStack::size)
+      .def("forward", &DecodeStack::forward);
+}
+
+TORCH_LIBRARY_IMPL(mtpllm, CPU, m) { m.impl("silu_mul", &silu_mul); }
