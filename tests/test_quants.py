@@ -406,7 +406,7 @@ def test_q4k_repacked_by_8_rows_is_exact():
     assert torch.equal(kernels.gguf_dequantize([x8], [kernels.Q4_KX8], k), dequantize(raw, QT.Q4_K, (n, k)))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels.gguf_repack(_blocks(_raw(QT.Q4_K, 12, k, 5)), int(QT.Q4_K), k)
-    with pytest.raises(RuntimeError, match="only Q4_K"):
+    with pytest.raises(RuntimeError, match="Q4_K, Q5_0 and Q8_0"):
         kernels.gguf_repack(_blocks(_raw(QT.Q6_K, 8, k, 5)), int(QT.Q6_K), k)
     with pytest.raises(RuntimeError, match="Q4_Kx8 weights"):
         kernels.gguf_linear(torch.randn(1, 512), [x8], [kernels.Q4_KX8])
@@ -463,6 +463,67 @@ def test_linear_repacks_q4k_at_load(tmp_path, monkeypatch):
 
 
 CHUNK = [QT.Q4_0, QT.Q5_0, QT.Q8_0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q8_0])
+def test_q5_0_q8_0_repacked_by_8_rows_are_the_chunk_products(qtype):
+    """Q5_0 / Q8_0 repacked by 8 rows hold exactly the file's weights (in the file's byte count), and
+    their kernel gives, for every number of rows (decoding, verification, prompt chunks; tiles of 4
+    and 2 rows of x and the remainders), bit for bit what the prompt-chunk GEMM gives on the file's
+    blocks: each row from its own row of x, whatever the batch and thread count."""
+    n, k = 40, 800
+    raw = _raw(qtype, n, k, 11)
+    x8 = kernels.gguf_repack(_blocks(raw), int(qtype), k)
+    t8 = kernels.X8_OF[int(qtype)]
+    assert x8.numel() == _blocks(raw).numel()
+    assert torch.equal(kernels.gguf_dequantize([x8], [t8], k), dequantize(raw, qtype, (n, k)))
+    w = dequantize(raw, qtype, (n, k))
+    for m in (1, 2, 3, 4, 5, 9, 31, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        x[:, 3] *= 30
+        y = kernels.gguf_linear(x, [x8], [t8])
+        assert torch.equal(y, kernels.gguf_linear_chunk(x, [_blocks(raw)], [int(qtype)])), m
+        assert torch.equal(y, kernels.gguf_linear_chunk(x, [x8], [t8])), m
+        ref = _kernel_reference(x, w, 32)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert torch.equal(y[m - 1:], kernels.gguf_linear(x[m - 1:], [x8], [t8]))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.gguf_linear(x, [x8], [t8])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, y)
+    with pytest.raises(RuntimeError, match="Q5_0x8/Q8_0x8 weights"):
+        kernels.gguf_linear(torch.randn(1, 512), [x8], [t8])
+
+
+@needs_kernel
+def test_linear_repacks_q5_0_and_q8_0_at_load(tmp_path, monkeypatch):
+    """A model's Q5_0/Q8_0 matrices (rows divisible by 8) run repacked, fused with other types;
+    MTPLLM_REPACK=0 keeps the file's blocks; `rows` / `dequantized` still give the file's weights."""
+    from mtpllm.gguf.reader import GGUFFile
+    from mtpllm.gguf.writer import write_gguf
+    from mtpllm.runtime.linear import make_linear
+    k = 256
+    tensors = {"a.weight": (_raw(QT.Q5_0, 32, k, 1), QT.Q5_0), "b.weight": (_raw(QT.Q8_0, 16, k, 2), QT.Q8_0),
+               "c.weight": (_raw(QT.Q5_0, 12, k, 3), QT.Q5_0)}
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", {}, tensors)
+    g = GGUFFile(path)
+    lin = make_linear(g, ["a.weight", "b.weight", "c.weight"])
+    assert lin._gt == [kernels.Q5_0X8, kernels.Q8_0X8, int(QT.Q5_0)]  # 12 rows: not repacked
+    monkeypatch.setenv("MTPLLM_REPACK", "0")
+    plain = make_linear(g, ["a.weight", "b.weight", "c.weight"])
+    assert plain._gt == [int(QT.Q5_0), int(QT.Q8_0), int(QT.Q5_0)]
+    x = torch.randn(3, k)
+    torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
+    x = torch.randn(33, k)  # a prompt chunk: the same GEMM either way
+    assert torch.equal(lin(x), plain(x))
+    assert torch.equal(lin.dequantized(), plain.dequantized())
+    ids = torch.tensor([0, 31, 40])
+    assert torch.equal(lin.rows(ids).dequantized(), plain.dequantized()[ids])
 
 
 @needs_kernel
@@ -535,10 +596,13 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
             data.append((x, w, int(qtype), "gguf_linear"))
             if qtype in CHUNK:
                 data.append((x, w, int(qtype), "gguf_linear_chunk"))
-    for m in (1, 2, 3, 4, 5, 9, 40):  # Q4_K repacked by 8 rows: tiles of 4 (VNNI) and 2 (AVX2) rows of x
+    for m in (1, 2, 3, 4, 5, 9, 40):  # repacked by 8 rows: tiles of 4 (VNNI) and 2 (AVX2) rows of x
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + m))
         x[:, 7] *= 30
         data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8, "gguf_linear"))
+        for qtype in (QT.Q5_0, QT.Q8_0):
+            data.append((x, kernels.gguf_repack(_blocks(_raw(qtype, 40, 1024, 31)), int(qtype), 1024),
+                         kernels.X8_OF[int(qtype)], "gguf_linear"))
     torch.save(data, tmp_path / "in.pt")
     env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],

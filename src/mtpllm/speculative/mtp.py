@@ -224,10 +224,17 @@ class MTPProposer:
         g_last = g[-1:]
         for i in range(k):
             logits = self.lm_head(g_last)[0]
-            if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
-                logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"), device=logits.device).index_copy_(
-                    0, self.vocab, logits)
-            d, q, top = draft_token(logits, sampler, hist, p_min)
+            if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
+                # greedy drafts from the draft vocabulary's logits alone: the tokens outside it have
+                # -inf (probability 0), so argmax and top probability are those of the full vector
+                j = int(logits.argmax())
+                d, q = int(self.vocab[j]), None
+                top = float(torch.softmax(logits, -1)[j]) if p_min > 0 else 1.0
+            else:
+                if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
+                    logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
+                                        device=logits.device).index_copy_(0, self.vocab, logits)
+                d, q, top = draft_token(logits, sampler, hist, p_min)
             if top < p_min:
                 break
             drafts.append(d)

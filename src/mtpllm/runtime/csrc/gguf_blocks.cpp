@@ -736,11 +736,78 @@ inline void c32_unpack(const uint8_t* w, int64_t row_bytes, int64_t n, int rows,
   }
 }
 
+// The 8 weight rows' codes of block b, interleaved by 4 (cv[c] byte 4 r + j = code 4 c + j of row
+// r, as the type's decoder gives them: see T::SIGNED, T::OFF) and their 8 scales d8: from the
+// buffer c32_unpack fills (prompt chunks of the file's blocks) ...
+struct C32Unpacked {
+  const uint8_t* codes;
+  const float* dw;
+  __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
+    for (int c = 0; c < 8; ++c) cv[c] = loadu(codes + b * 256 + 32 * c);
+    d8 = _mm256_loadu_ps(dw + b * 8);
+  }
+};
+
+// ... or from the Q5_0x8 / Q8_0x8 layouts, the file's blocks of 8 rows repacked at load
+// (`gguf_repack`), in as many bytes as the file's blocks. One block of 8 rows x 32 weights:
+//   Q8_0x8 (272 bytes): codes [256]: chunk c at 32 c, byte 4 r + j = code 4 c + j of row r (int8,
+//                       the file's); d [8] float16 at 256
+//   Q5_0x8 (176 bytes): nib [128]: 32 bytes at 32 c (c < 4), byte 4 r + j = the file's qs byte 4 c + j
+//                       of row r (low nibble: code 4 c + j; high nibble: code 16 + 4 c + j, 4 low bits);
+//                       hb [32] at 128: bit c of byte 4 r + j = the 5th bit of code 4 c + j of row r
+//                       (a 16-bit shift and a mask bring chunk c's bits to 0x10); d [8] float16 at 160
+// Decoded, they are exactly c32_unpack's codes and scales: both give the same products.
+constexpr int64_t Q5_0X8 = 1006, Q8_0X8 = 1008, Q5_0X8_BYTES = 176, Q8_0X8_BYTES = 272;
+
+struct C32Q5x8 {
+  const uint8_t* w;
+  __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
+    const uint8_t* p = w + b * Q5_0X8_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 128), _MM_HINT_T0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m5 = _mm256_set1_epi8(0x10);
+    const __m256i hb = loadu(p + 128);
+    cv[0] = _mm256_slli_epi16(hb, 4);  // bit c of each byte -> bit 4 (no bit crosses into bit 4 of
+    cv[1] = _mm256_slli_epi16(hb, 3);  // the other byte of a 16-bit lane: see the layout)
+    cv[2] = _mm256_slli_epi16(hb, 2);
+    cv[3] = _mm256_slli_epi16(hb, 1);
+    cv[4] = hb;
+    cv[5] = _mm256_srli_epi16(hb, 1);
+    cv[6] = _mm256_srli_epi16(hb, 2);
+    cv[7] = _mm256_srli_epi16(hb, 3);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = loadu(p + 32 * c);
+      cv[c] = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(cv[c], m5));
+      cv[c + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(cv[c + 4], m5));
+    }
+    d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 160)));
+  }
+};
+
+struct C32Q8x8 {
+  const uint8_t* w;
+  __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
+    const uint8_t* p = w + b * Q8_0X8_BYTES;
+    for (int o = 0; o < 320; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF + o), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#if MTPLLM_VNNI  // used unsigned, as TQ8_0 gives them in this build
+      cv[c] = _mm256_xor_si256(loadu(p + 32 * c), _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+      cv[c] = loadu(p + 32 * c);
+#endif
+    }
+    d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256)));
+  }
+};
+
 // RM rows of x (int8 codes xq [RM, K], block scales xd [RM, nb], block code sums xs [RM, nb])
-// against the 8 unpacked weight rows: facc[r] lane j = row j's output for x row r
-template <class T, int RM>
-inline void c32_tile(const uint8_t* codes, const float* dw, int64_t nb, const int8_t* xq, const float* xd,
-                     const int32_t* xs, int64_t K, __m256* facc_out) {
+// against 8 weight rows (codes from src): facc[r] lane j = row j's output for x row r
+template <class T, int RM, class Src>
+inline void c32_tile(const Src& src, int64_t nb, const int8_t* xq, const float* xd, const int32_t* xs, int64_t K,
+                     __m256* facc_out) {
   __m256 facc[RM];
   for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
 #if !MTPLLM_VNNI
@@ -748,8 +815,8 @@ inline void c32_tile(const uint8_t* codes, const float* dw, int64_t nb, const in
 #endif
   for (int64_t b = 0; b < nb; ++b) {
     __m256i cv[8];
-    for (int c = 0; c < 8; ++c) cv[c] = loadu(codes + b * 256 + 32 * c);
-    const __m256 d8 = _mm256_loadu_ps(dw + b * 8);
+    __m256 d8;
+    src.block(b, cv, d8);
     for (int r = 0; r < RM; ++r) {
       const int8_t* x = xq + r * K + 32 * b;
       __m256i acc = T::OFF ? _mm256_set1_epi32(-T::OFF * xs[r * nb + b]) : _mm256_setzero_si256();
@@ -778,13 +845,35 @@ constexpr int C32_RM = 4;
 constexpr int C32_RM = 2;
 #endif
 
-template <class T, int RM = C32_RM>
-inline void c32_tile_rm(int rm, const uint8_t* codes, const float* dw, int64_t nb, const int8_t* xq, const float* xd,
-                        const int32_t* xs, int64_t K, __m256* facc) {
+template <class T, class Src, int RM = C32_RM>
+inline void c32_tile_rm(int rm, const Src& src, int64_t nb, const int8_t* xq, const float* xd, const int32_t* xs,
+                        int64_t K, __m256* facc) {
   if constexpr (RM > 1) {
-    if (rm < RM) return c32_tile_rm<T, RM - 1>(rm, codes, dw, nb, xq, xd, xs, K, facc);
+    if (rm < RM) return c32_tile_rm<T, Src, RM - 1>(rm, src, nb, xq, xd, xs, K, facc);
   }
-  c32_tile<T, RM>(codes, dw, nb, xq, xd, xs, K, facc);
+  c32_tile<T, RM>(src, nb, xq, xd, xs, K, facc);
+}
+
+// The 8 output rows of one weight group (codes from src) against the M rows of x into y[:, n..n+rows)
+template <class T, class Src>
+inline void c32_group(const Src& src, int rows, int64_t n, const Act& x, const int32_t* xs, int64_t M, float* y,
+                      int64_t ldy) {
+  const int64_t K = x.K, nb = K / 32;
+  for (int64_t m = 0; m < M; m += C32_RM) {
+    const int rm = static_cast<int>(std::min<int64_t>(C32_RM, M - m));
+    __m256 facc[C32_RM];
+    for (int r = 0; r < C32_RM; ++r) facc[r] = _mm256_setzero_ps();
+    c32_tile_rm<T>(rm, src, nb, x.q + m * K, x.d + m * nb, xs + m * nb, K, facc);
+    for (int r = 0; r < rm; ++r) {
+      if (rows == 8) {
+        _mm256_storeu_ps(y + (m + r) * ldy + n, facc[r]);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, facc[r]);
+        for (int j = 0; j < rows; ++j) y[(m + r) * ldy + n + j] = t[j];
+      }
+    }
+  }
 }
 
 // Rows [n0, n1) of W (a 32-weight block type) against the M rows of x (quantized per 32: x.q, x.d;
@@ -798,22 +887,68 @@ void c32_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
   for (int64_t n = n0; n < n1; n += 8) {
     const int rows = static_cast<int>(std::min<int64_t>(8, n1 - n));
     c32_unpack<T>(w, row_bytes, n, rows, nb, codes.data(), dw.data());
-    for (int64_t m = 0; m < M; m += C32_RM) {
-      const int rm = static_cast<int>(std::min<int64_t>(C32_RM, M - m));
-      __m256 facc[C32_RM];
-      for (int r = 0; r < C32_RM; ++r) facc[r] = _mm256_setzero_ps();
-      c32_tile_rm<T>(rm, codes.data(), dw.data(), nb, x.q + m * K, x.d + m * nb, xs + m * nb, K, facc);
-      for (int r = 0; r < rm; ++r) {
-        if (rows == 8) {
-          _mm256_storeu_ps(y + (m + r) * ldy + n, facc[r]);
+    c32_group<T>(C32Unpacked{codes.data(), dw.data()}, rows, n, x, xs, M, y, ldy);
+  }
+}
+
+// Output rows [n0, n1) of a Q5_0x8 / Q8_0x8 matrix (the row groups of 8 starting in that range)
+// against the M rows of x, for every M: decoding, verification and prompt chunks share these
+// products, which are exactly c32_rows' on the file's blocks
+template <class T, class Src>
+void c32x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const Act& x, const int32_t* xs,
+                int64_t M, float* y, int64_t ldy) {
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp)
+    c32_group<T>(Src{w + grp * group_bytes}, 8, grp * 8, x, xs, M, y, ldy);
+}
+
+// Q5_0 / Q8_0 rows [8 g0, 8 g1) of w (the file's blocks) -> row groups [g0, g1) of the x8 layout
+void c32x8_repack(int64_t t, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g0, int64_t g1, uint8_t* out) {
+  const bool q5 = t == Q5_0;
+  const int64_t bytes = q5 ? Q5_0X8_BYTES : Q8_0X8_BYTES, in = q5 ? TQ5_0::BYTES : TQ8_0::BYTES;
+  for (int64_t grp = g0; grp < g1; ++grp)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* o = out + (grp * nb + b) * bytes;
+      if (q5) std::memset(o + 128, 0, 32);
+      for (int r = 0; r < 8; ++r) {
+        const uint8_t* blk = w + (grp * 8 + r) * row_bytes + b * in;
+        std::memcpy(o + (q5 ? 160 : 256) + 2 * r, blk, 2);
+        if (q5) {
+          uint32_t qh;
+          std::memcpy(&qh, blk + 2, 4);
+          for (int c = 0; c < 4; ++c) std::memcpy(o + 32 * c + 4 * r, blk + 6 + 4 * c, 4);
+          for (int c = 0; c < 8; ++c)
+            for (int j = 0; j < 4; ++j) o[128 + 4 * r + j] |= static_cast<uint8_t>(((qh >> (4 * c + j)) & 1) << c);
         } else {
-          alignas(32) float t[8];
-          _mm256_store_ps(t, facc[r]);
-          for (int j = 0; j < rows; ++j) y[(m + r) * ldy + n + j] = t[j];
+          for (int c = 0; c < 8; ++c) std::memcpy(o + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
         }
       }
     }
-  }
+}
+
+// The row groups of a Q5_0x8 / Q8_0x8 matrix starting in rows [n0, n1) as float32 rows of y (the
+// matrix's first row; row stride K): exactly the values of the blocks they were made from
+void c32x8_dequant(int64_t t, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* y) {
+  const bool q5 = t == Q5_0X8;
+  const int64_t bytes = q5 ? Q5_0X8_BYTES : Q8_0X8_BYTES, K = nb * 32;
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w + (grp * nb + b) * bytes;
+      for (int r = 0; r < 8; ++r) {
+        const float d = f16(p + (q5 ? 160 : 256) + 2 * r);
+        float* o = y + (grp * 8 + r) * K + b * 32;
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) {
+            int code;
+            if (q5) {
+              const uint8_t nib = p[32 * (c & 3) + 4 * r + j];
+              code = ((c < 4 ? nib & 15 : nib >> 4) | (((p[128 + 4 * r + j] >> c) & 1) << 4)) - 16;
+            } else {
+              code = static_cast<int8_t>(p[32 * c + 4 * r + j]);
+            }
+            o[4 * c + j] = static_cast<float>(code) * d;
+          }
+      }
+    }
 }
 
 // Dequantize rows [n0, n1) of one matrix into y (float32, row stride K)
@@ -879,13 +1014,21 @@ template <class T> struct DequantRows {
 };
 
 // output rows of one weight tensor (Q4_Kx8: 8 per row group)
-int64_t weight_rows(const at::Tensor& w, int64_t t) { return t == Q4_KX8 ? 8 * w.size(0) : w.size(0); }
+bool x8_type(int64_t t) { return t == Q4_KX8 || t == Q5_0X8 || t == Q8_0X8; }
+int64_t weight_rows(const at::Tensor& w, int64_t t) { return x8_type(t) ? 8 * w.size(0) : w.size(0); }
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
   if (t == Q4_KX8) {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 256 == 0 &&
                     w.size(1) == K / 256 * X8_BYTES,
                 "Q4_Kx8 weights: uint8 [N / 8, K / 256 * ", X8_BYTES, "] (gguf_repack) for K = ", K);
+    return;
+  }
+  if (t == Q5_0X8 || t == Q8_0X8) {
+    const int64_t bytes = t == Q5_0X8 ? Q5_0X8_BYTES : Q8_0X8_BYTES;
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 32 == 0 &&
+                    w.size(1) == K / 32 * bytes,
+                "Q5_0x8/Q8_0x8 weights: uint8 [N / 8, K / 32 * ", bytes, "] (gguf_repack) for K = ", K);
     return;
   }
   const TypeInfo ti = type_info(t);
@@ -896,6 +1039,7 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
 }
 
 bool c32_type(int64_t t) { return t == Q4_0 || t == Q5_0 || t == Q8_0; }
+bool c32x8_type(int64_t t) { return t == Q5_0X8 || t == Q8_0X8; }
 
 // y = x @ W^T for W = the row-wise concatenation of ws (GGUF blocks of types `types`); `chunk`:
 // a prompt chunk, whose Q4_0/Q5_0/Q8_0 matrices take the 8-row GEMM (c32_rows)
@@ -927,7 +1071,7 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
   std::vector<int16_t> kb(any_k ? M * K / 16 : 0), kb32(any_k ? M * nb : 0);
   std::vector<Off> o4(any_q4 ? M * K / OFF_PER : 0), o5(any_q5 ? M * K / OFF_PER : 0), o8(any_q8 ? M * K / OFF_PER : 0);
   bool any_c32 = false;
-  for (size_t i = 0; i < ws.size(); ++i) any_c32 |= chunk && c32_type(types[i]);
+  for (size_t i = 0; i < ws.size(); ++i) any_c32 |= (chunk && c32_type(types[i])) || c32x8_type(types[i]);
   std::vector<int32_t> bsum(any_c32 ? M * nb : 0);  // sums of x's codes per block (c32_rows' offset terms)
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -974,6 +1118,14 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
         x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
         continue;
       }
+      if (c32x8_type(types[i])) {  // every M: the same products as c32_rows on the file's blocks
+        const uint8_t* wp = ws[i].data_ptr<uint8_t>();
+        if (types[i] == Q5_0X8)
+          c32x8_rows<TQ5_0, C32Q5x8>(wp, ws[i].stride(0), lo - off[i], hi - off[i], a, bsum.data(), M, yp + off[i], N);
+        else
+          c32x8_rows<TQ8_0, C32Q8x8>(wp, ws[i].stride(0), lo - off[i], hi - off[i], a, bsum.data(), M, yp + off[i], N);
+        continue;
+      }
       if (chunk && c32_type(types[i])) {
         const uint8_t* wp = ws[i].data_ptr<uint8_t>();
         const int64_t rb = ws[i].stride(0);
@@ -1018,6 +1170,10 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
         x8_dequant(ws[i].data_ptr<uint8_t>(), K / 256, a - off[i], b - off[i], yp + off[i] * K);
         continue;
       }
+      if (c32x8_type(types[i])) {
+        c32x8_dequant(types[i], ws[i].data_ptr<uint8_t>(), K / 32, a - off[i], b - off[i], yp + off[i] * K);
+        continue;
+      }
       dispatch<DequantRows>(types[i], ws[i].data_ptr<uint8_t>(), ws[i].stride(0), a - off[i], b - off[i], K,
                             yp + a * K);
     }
@@ -1036,17 +1192,25 @@ inline void advise_huge_pages(void* p, int64_t n) {
 #endif
 }
 
-// Q4_K weights uint8 [N, K / 256 * 144] (N % 8 == 0) in the Q4_Kx8 layout: uint8 [N / 8, K / 256 * X8_BYTES]
+// Q4_K / Q5_0 / Q8_0 weights (the file's blocks, N % 8 == 0) in the layout of 8 rows: Q4_Kx8 uint8
+// [N / 8, K / 256 * X8_BYTES], Q5_0x8 / Q8_0x8 uint8 [N / 8, K / 32 * (176 | 272)]
 at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
-  TORCH_CHECK(t == Q4_K, "gguf_repack: only Q4_K (type 12) is repacked, got type ", t);
+  TORCH_CHECK(t == Q4_K || t == Q5_0 || t == Q8_0, "gguf_repack: Q4_K, Q5_0 and Q8_0 (types 12, 6, 8) are repacked, "
+              "got type ", t);
   check_weight(w, t, K);
-  const int64_t N = w.size(0), nsb = K / 256;
+  const int64_t N = w.size(0);
   TORCH_CHECK(N % 8 == 0, "gguf_repack: the row count (", N, ") must be a multiple of 8");
-  at::Tensor out = at::empty({N / 8, nsb * X8_BYTES}, w.options().dtype(at::kByte));
+  const int64_t group_bytes = t == Q4_K ? K / 256 * X8_BYTES : K / 32 * (t == Q5_0 ? Q5_0X8_BYTES : Q8_0X8_BYTES);
+  at::Tensor out = at::empty({N / 8, group_bytes}, w.options().dtype(at::kByte));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   advise_huge_pages(op, out.numel());
-  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) { x8_repack(wp, w.stride(0), nsb, g0, g1, op); });
+  at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
+    if (t == Q4_K)
+      x8_repack(wp, w.stride(0), K / 256, g0, g1, op);
+    else
+      c32x8_repack(t, wp, w.stride(0), K / 32, g0, g1, op);
+  });
   return out;
 }
 
