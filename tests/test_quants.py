@@ -406,7 +406,7 @@ def test_q4k_repacked_by_8_rows_is_exact():
     assert torch.equal(kernels.gguf_dequantize([x8], [kernels.Q4_KX8], k), dequantize(raw, QT.Q4_K, (n, k)))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels.gguf_repack(_blocks(_raw(QT.Q4_K, 12, k, 5)), int(QT.Q4_K), k)
-    with pytest.raises(RuntimeError, match="Q4_K, Q5_0 and Q8_0"):
+    with pytest.raises(RuntimeError, match="Q4_K, Q4_0, Q5_0 and Q8_0"):
         kernels.gguf_repack(_blocks(_raw(QT.Q6_K, 8, k, 5)), int(QT.Q6_K), k)
     with pytest.raises(RuntimeError, match="Q4_Kx8 weights"):
         kernels.gguf_linear(torch.randn(1, 512), [x8], [kernels.Q4_KX8])
@@ -466,9 +466,9 @@ CHUNK = [QT.Q4_0, QT.Q5_0, QT.Q8_0]
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q8_0])
-def test_q5_0_q8_0_repacked_by_8_rows_are_the_chunk_products(qtype):
-    """Q5_0 / Q8_0 repacked by 8 rows hold exactly the file's weights (in the file's byte count), and
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0, QT.Q8_0])
+def test_32_weight_blocks_repacked_by_8_rows_are_the_chunk_products(qtype):
+    """Q4_0 / Q5_0 / Q8_0 repacked by 8 rows hold exactly the file's weights (in the file's byte count), and
     their kernel gives, for every number of rows (decoding, verification, prompt chunks; tiles of 4
     and 2 rows of x and the remainders), bit for bit what the prompt-chunk GEMM gives on the file's
     blocks: each row from its own row of x, whatever the batch and thread count."""
@@ -495,7 +495,7 @@ def test_q5_0_q8_0_repacked_by_8_rows_are_the_chunk_products(qtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, y)
-    with pytest.raises(RuntimeError, match="Q5_0x8/Q8_0x8 weights"):
+    with pytest.raises(RuntimeError, match="Q4_0x8/Q5_0x8/Q8_0x8 weights"):
         kernels.gguf_linear(torch.randn(1, 512), [x8], [t8])
 
 
@@ -600,7 +600,7 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + m))
         x[:, 7] *= 30
         data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8, "gguf_linear"))
-        for qtype in (QT.Q5_0, QT.Q8_0):
+        for qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0):
             data.append((x, kernels.gguf_repack(_blocks(_raw(qtype, 40, 1024, 31)), int(qtype), 1024),
                          kernels.X8_OF[int(qtype)], "gguf_linear"))
     torch.save(data, tmp_path / "in.pt")

@@ -184,17 +184,17 @@ def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> to
     return _op("gguf_dequantize")(weights, types, k)
 
 
-# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8", "Q5_0x8",
-# "Q8_0x8"): gguf_linear and gguf_dequantize take them like GGML types, with weights uint8
-# [N / 8, K / 256 * 1184] (Q4_Kx8), [N / 8, K / 32 * 176] (Q5_0x8), [N / 8, K / 32 * 272] (Q8_0x8)
-Q4_KX8, Q5_0X8, Q8_0X8 = 1012, 1006, 1008
-X8_TYPES = (Q4_KX8, Q5_0X8, Q8_0X8)
+# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8", "Q4_0x8",
+# "Q5_0x8", "Q8_0x8"): gguf_linear and gguf_dequantize take them like GGML types, with weights
+# uint8 [N / 8, K / 256 * 1184] (Q4_Kx8), [N / 8, K / 32 * 144 | 176 | 272] (Q4_0x8 | Q5_0x8 | Q8_0x8)
+Q4_KX8, Q4_0X8, Q5_0X8, Q8_0X8 = 1012, 1002, 1006, 1008
+X8_TYPES = (Q4_KX8, Q4_0X8, Q5_0X8, Q8_0X8)
 # GGML type id -> its 8-row layout
-X8_OF = {12: Q4_KX8, 6: Q5_0X8, 8: Q8_0X8}
+X8_OF = {12: Q4_KX8, 2: Q4_0X8, 6: Q5_0X8, 8: Q8_0X8}
 
 
 def gguf_repack(weight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_K / Q5_0 / Q8_0 blocks uint8 [N, row bytes] (N % 8 == 0) -> their 8-row layout (type
+    """Q4_K / Q4_0 / Q5_0 / Q8_0 blocks uint8 [N, row bytes] (N % 8 == 0) -> their 8-row layout (type
     `X8_OF[qtype]`): the 8 rows of each group interleaved so one vector instruction multiplies 4
     weights of 8 rows; the same number of bytes as the file's blocks (Q4_Kx8: 2.8% more)."""
     return _op("gguf_repack")(weight, qtype, k)

@@ -309,7 +309,9 @@ class Linear(torch.nn.Module):
         if self.kind == "gguf":
             if len(self.ggufs) == 1:
                 w, t = self.ggufs[0]
-                return Linear("gguf", None, bias, in_features=self.in_features, ggufs=[(w[ids].contiguous(), t)])
+                w = w[ids].contiguous()
+                return Linear("gguf", None, bias, in_features=self.in_features, ggufs=[(w, t)],
+                              packed=[repacked(w, t, self.in_features)])
             return Linear("f32", self.dequantized()[ids].contiguous(), bias)
         if self.kind == "blocks":
             if len(self.blocks) == 1:
@@ -357,11 +359,18 @@ def repack(g: GGUFFile, name: str, w: torch.Tensor, qtype: int, k: int) -> tuple
     take the same products for every batch size, the prompt chunks' (`gguf_linear_chunk`). The copy
     replaces the file's pages in memory (released from the mapping; they are read again only by
     `rows`/`dequantized`). Other tensors stay the file's blocks, read in place."""
-    if qtype not in kernels.X8_OF or w.shape[0] % 8:
+    packed = repacked(w, qtype, k)
+    if packed[1] != qtype:
+        g.release(name)
+    return packed
+
+
+def repacked(w: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, int]:
+    """(weights, type) the kernel multiplies for GGUF blocks w of type qtype: the 8-row layout where
+    there is one (and the row count allows it, and MTPLLM_REPACK is not 0), else w itself."""
+    if qtype not in kernels.X8_OF or w.shape[0] % 8 or not repack_enabled():
         return w, qtype
-    packed = kernels.gguf_repack(w, qtype, k)
-    g.release(name)
-    return packed, kernels.X8_OF[qtype]
+    return kernels.gguf_repack(w, qtype, k), kernels.X8_OF[qtype]
 
 
 def int8_linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

@@ -748,8 +748,9 @@ struct C32Unpacked {
   }
 };
 
-// ... or from the Q5_0x8 / Q8_0x8 layouts, the file's blocks of 8 rows repacked at load
+// ... or from the Q4_0x8 / Q5_0x8 / Q8_0x8 layouts, the file's blocks of 8 rows repacked at load
 // (`gguf_repack`), in as many bytes as the file's blocks. One block of 8 rows x 32 weights:
+//   Q4_0x8 (144 bytes): nib [128] as Q5_0x8's; d [8] float16 at 128
 //   Q8_0x8 (272 bytes): codes [256]: chunk c at 32 c, byte 4 r + j = code 4 c + j of row r (int8,
 //                       the file's); d [8] float16 at 256
 //   Q5_0x8 (176 bytes): nib [128]: 32 bytes at 32 c (c < 4), byte 4 r + j = the file's qs byte 4 c + j
@@ -757,7 +758,30 @@ struct C32Unpacked {
 //                       hb [32] at 128: bit c of byte 4 r + j = the 5th bit of code 4 c + j of row r
 //                       (a 16-bit shift and a mask bring chunk c's bits to 0x10); d [8] float16 at 160
 // Decoded, they are exactly c32_unpack's codes and scales: both give the same products.
-constexpr int64_t Q5_0X8 = 1006, Q8_0X8 = 1008, Q5_0X8_BYTES = 176, Q8_0X8_BYTES = 272;
+constexpr int64_t Q4_0X8 = 1002, Q5_0X8 = 1006, Q8_0X8 = 1008;
+constexpr int64_t Q4_0X8_BYTES = 144, Q5_0X8_BYTES = 176, Q8_0X8_BYTES = 272;
+
+// bytes per block of 8 rows x 32 weights of an x8 layout (and its scales' offset in it)
+inline int64_t c32x8_bytes(int64_t t) { return t == Q4_0X8 ? Q4_0X8_BYTES : t == Q5_0X8 ? Q5_0X8_BYTES : Q8_0X8_BYTES; }
+inline int64_t c32x8_d(int64_t t) { return t == Q4_0X8 ? 128 : t == Q5_0X8 ? 160 : 256; }
+
+struct C32Q4x8 {
+  const uint8_t* w;
+  __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
+    const uint8_t* p = w + b * Q4_0X8_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 128), _MM_HINT_T0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = loadu(p + 32 * c);
+      cv[c] = _mm256_and_si256(raw, m4);
+      cv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    }
+    d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
+  }
+};
 
 struct C32Q5x8 {
   const uint8_t* w;
@@ -901,25 +925,30 @@ void c32x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, c
     c32_group<T>(Src{w + grp * group_bytes}, 8, grp * 8, x, xs, M, y, ldy);
 }
 
-// Q5_0 / Q8_0 rows [8 g0, 8 g1) of w (the file's blocks) -> row groups [g0, g1) of the x8 layout
-void c32x8_repack(int64_t t, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g0, int64_t g1, uint8_t* out) {
-  const bool q5 = t == Q5_0;
-  const int64_t bytes = q5 ? Q5_0X8_BYTES : Q8_0X8_BYTES, in = q5 ? TQ5_0::BYTES : TQ8_0::BYTES;
+// Q4_0 / Q5_0 / Q8_0 rows [8 g0, 8 g1) of w (the file's blocks, type t) -> row groups [g0, g1) of
+// the x8 layout (type t8)
+void c32x8_repack(int64_t t, int64_t t8, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t g0, int64_t g1,
+                  uint8_t* out) {
+  const int64_t bytes = c32x8_bytes(t8), dof = c32x8_d(t8);
+  const int64_t in = t == Q4_0 ? TQ4_0::BYTES : t == Q5_0 ? TQ5_0::BYTES : TQ8_0::BYTES;
   for (int64_t grp = g0; grp < g1; ++grp)
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* o = out + (grp * nb + b) * bytes;
-      if (q5) std::memset(o + 128, 0, 32);
+      if (t == Q5_0) std::memset(o + 128, 0, 32);
       for (int r = 0; r < 8; ++r) {
         const uint8_t* blk = w + (grp * 8 + r) * row_bytes + b * in;
-        std::memcpy(o + (q5 ? 160 : 256) + 2 * r, blk, 2);
-        if (q5) {
+        std::memcpy(o + dof + 2 * r, blk, 2);
+        if (t == Q8_0) {
+          for (int c = 0; c < 8; ++c) std::memcpy(o + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
+          continue;
+        }
+        const uint8_t* qs = blk + (t == Q5_0 ? 6 : 2);
+        for (int c = 0; c < 4; ++c) std::memcpy(o + 32 * c + 4 * r, qs + 4 * c, 4);
+        if (t == Q5_0) {
           uint32_t qh;
           std::memcpy(&qh, blk + 2, 4);
-          for (int c = 0; c < 4; ++c) std::memcpy(o + 32 * c + 4 * r, blk + 6 + 4 * c, 4);
           for (int c = 0; c < 8; ++c)
             for (int j = 0; j < 4; ++j) o[128 + 4 * r + j] |= static_cast<uint8_t>(((qh >> (4 * c + j)) & 1) << c);
-        } else {
-          for (int c = 0; c < 8; ++c) std::memcpy(o + 32 * c + 4 * r, blk + 2 + 4 * c, 4);
         }
       }
     }
@@ -928,22 +957,22 @@ void c32x8_repack(int64_t t, const uint8_t* w, int64_t row_bytes, int64_t nb, in
 // The row groups of a Q5_0x8 / Q8_0x8 matrix starting in rows [n0, n1) as float32 rows of y (the
 // matrix's first row; row stride K): exactly the values of the blocks they were made from
 void c32x8_dequant(int64_t t, const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* y) {
-  const bool q5 = t == Q5_0X8;
-  const int64_t bytes = q5 ? Q5_0X8_BYTES : Q8_0X8_BYTES, K = nb * 32;
+  const int64_t bytes = c32x8_bytes(t), K = nb * 32;
   for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = w + (grp * nb + b) * bytes;
       for (int r = 0; r < 8; ++r) {
-        const float d = f16(p + (q5 ? 160 : 256) + 2 * r);
+        const float d = f16(p + c32x8_d(t) + 2 * r);
         float* o = y + (grp * 8 + r) * K + b * 32;
         for (int c = 0; c < 8; ++c)
           for (int j = 0; j < 4; ++j) {
             int code;
-            if (q5) {
-              const uint8_t nib = p[32 * (c & 3) + 4 * r + j];
-              code = ((c < 4 ? nib & 15 : nib >> 4) | (((p[128 + 4 * r + j] >> c) & 1) << 4)) - 16;
-            } else {
+            if (t == Q8_0X8) {
               code = static_cast<int8_t>(p[32 * c + 4 * r + j]);
+            } else {
+              const uint8_t nib = p[32 * (c & 3) + 4 * r + j];
+              code = c < 4 ? nib & 15 : nib >> 4;
+              code = t == Q5_0X8 ? (code | (((p[128 + 4 * r + j] >> c) & 1) << 4)) - 16 : code - 8;
             }
             o[4 * c + j] = static_cast<float>(code) * d;
           }
@@ -1014,7 +1043,7 @@ template <class T> struct DequantRows {
 };
 
 // output rows of one weight tensor (Q4_Kx8: 8 per row group)
-bool x8_type(int64_t t) { return t == Q4_KX8 || t == Q5_0X8 || t == Q8_0X8; }
+bool x8_type(int64_t t) { return t == Q4_KX8 || t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8; }
 int64_t weight_rows(const at::Tensor& w, int64_t t) { return x8_type(t) ? 8 * w.size(0) : w.size(0); }
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
@@ -1024,11 +1053,11 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
                 "Q4_Kx8 weights: uint8 [N / 8, K / 256 * ", X8_BYTES, "] (gguf_repack) for K = ", K);
     return;
   }
-  if (t == Q5_0X8 || t == Q8_0X8) {
-    const int64_t bytes = t == Q5_0X8 ? Q5_0X8_BYTES : Q8_0X8_BYTES;
+  if (t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8) {
+    const int64_t bytes = c32x8_bytes(t);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 32 == 0 &&
                     w.size(1) == K / 32 * bytes,
-                "Q5_0x8/Q8_0x8 weights: uint8 [N / 8, K / 32 * ", bytes, "] (gguf_repack) for K = ", K);
+                "Q4_0x8/Q5_0x8/Q8_0x8 weights: uint8 [N / 8, K / 32 * ", bytes, "] (gguf_repack) for K = ", K);
     return;
   }
   const TypeInfo ti = type_info(t);
@@ -1039,7 +1068,7 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
 }
 
 bool c32_type(int64_t t) { return t == Q4_0 || t == Q5_0 || t == Q8_0; }
-bool c32x8_type(int64_t t) { return t == Q5_0X8 || t == Q8_0X8; }
+bool c32x8_type(int64_t t) { return t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8; }
 
 // y = x @ W^T for W = the row-wise concatenation of ws (GGUF blocks of types `types`); `chunk`:
 // a prompt chunk, whose Q4_0/Q5_0/Q8_0 matrices take the 8-row GEMM (c32_rows)
@@ -1120,7 +1149,9 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
       }
       if (c32x8_type(types[i])) {  // every M: the same products as c32_rows on the file's blocks
         const uint8_t* wp = ws[i].data_ptr<uint8_t>();
-        if (types[i] == Q5_0X8)
+        if (types[i] == Q4_0X8)
+          c32x8_rows<TQ4_0, C32Q4x8>(wp, ws[i].stride(0), lo - off[i], hi - off[i], a, bsum.data(), M, yp + off[i], N);
+        else if (types[i] == Q5_0X8)
           c32x8_rows<TQ5_0, C32Q5x8>(wp, ws[i].stride(0), lo - off[i], hi - off[i], a, bsum.data(), M, yp + off[i], N);
         else
           c32x8_rows<TQ8_0, C32Q8x8>(wp, ws[i].stride(0), lo - off[i], hi - off[i], a, bsum.data(), M, yp + off[i], N);
@@ -1192,15 +1223,16 @@ inline void advise_huge_pages(void* p, int64_t n) {
 #endif
 }
 
-// Q4_K / Q5_0 / Q8_0 weights (the file's blocks, N % 8 == 0) in the layout of 8 rows: Q4_Kx8 uint8
-// [N / 8, K / 256 * X8_BYTES], Q5_0x8 / Q8_0x8 uint8 [N / 8, K / 32 * (176 | 272)]
+// Q4_K / Q4_0 / Q5_0 / Q8_0 weights (the file's blocks, N % 8 == 0) in the layout of 8 rows: Q4_Kx8
+// uint8 [N / 8, K / 256 * X8_BYTES], Q4_0x8 / Q5_0x8 / Q8_0x8 uint8 [N / 8, K / 32 * (144 | 176 | 272)]
 at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
-  TORCH_CHECK(t == Q4_K || t == Q5_0 || t == Q8_0, "gguf_repack: Q4_K, Q5_0 and Q8_0 (types 12, 6, 8) are repacked, "
-              "got type ", t);
+  TORCH_CHECK(t == Q4_K || t == Q4_0 || t == Q5_0 || t == Q8_0,
+              "gguf_repack: Q4_K, Q4_0, Q5_0 and Q8_0 (types 12, 2, 6, 8) are repacked, got type ", t);
   check_weight(w, t, K);
   const int64_t N = w.size(0);
   TORCH_CHECK(N % 8 == 0, "gguf_repack: the row count (", N, ") must be a multiple of 8");
-  const int64_t group_bytes = t == Q4_K ? K / 256 * X8_BYTES : K / 32 * (t == Q5_0 ? Q5_0X8_BYTES : Q8_0X8_BYTES);
+  const int64_t t8 = t == Q4_0 ? Q4_0X8 : t == Q5_0 ? Q5_0X8 : Q8_0X8;
+  const int64_t group_bytes = t == Q4_K ? K / 256 * X8_BYTES : K / 32 * c32x8_bytes(t8);
   at::Tensor out = at::empty({N / 8, group_bytes}, w.options().dtype(at::kByte));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
@@ -1209,7 +1241,7 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
     if (t == Q4_K)
       x8_repack(wp, w.stride(0), K / 256, g0, g1, op);
     else
-      c32x8_repack(t, wp, w.stride(0), K / 32, g0, g1, op);
+      c32x8_repack(t, t8, wp, w.stride(0), K / 32, g0, g1, op);
   });
   return out;
 }
