@@ -436,29 +436,33 @@ def test_repacked_q4k_kernel_matches_reference(m):
 
 
 @needs_kernel
-def test_linear_repacks_q4k_at_load(tmp_path, monkeypatch):
-    """A model's Q4_K matrices (rows divisible by 8) run repacked, fused with other types in one
-    call; MTPLLM_REPACK=0 keeps the file's blocks; both give the same products to rounding, and
-    `rows` / `dequantized` still give the file's weights."""
+@pytest.mark.parametrize("types,k", [((QT.Q4_K, QT.Q6_K, QT.Q4_K), 512), ((QT.Q5_0, QT.Q8_0, QT.Q5_0), 256)])
+def test_linear_repacks_at_load(tmp_path, monkeypatch, types, k):
+    """A model's Q4_K / Q5_0 / Q8_0 matrices (rows divisible by 8) run repacked by 8 rows, fused with
+    other types in one call; MTPLLM_REPACK=0 keeps the file's blocks; both give the same products
+    to rounding (Q5_0/Q8_0 prompt chunks: exactly), and `rows` / `dequantized` still give the
+    file's weights."""
     from mtpllm.gguf.reader import GGUFFile
     from mtpllm.gguf.writer import write_gguf
     from mtpllm.runtime.linear import make_linear
-    k = 512
-    tensors = {"a.weight": (_raw(QT.Q4_K, 32, k, 1), QT.Q4_K), "b.weight": (_raw(QT.Q6_K, 16, k, 2), QT.Q6_K),
-               "c.weight": (_raw(QT.Q4_K, 12, k, 3), QT.Q4_K)}
+    tensors = {f"{c}.weight": (_raw(t, n, k, s), t) for c, t, n, s in zip("abc", types, (32, 16, 12), (1, 2, 3))}
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", {}, tensors)
     g = GGUFFile(path)
     lin = make_linear(g, ["a.weight", "b.weight", "c.weight"])
-    assert lin._gt == [kernels.Q4_KX8, int(QT.Q6_K), int(QT.Q4_K)]  # 12 rows: not repacked
+    # the third matrix (12 rows) is never repacked
+    assert lin._gt == [kernels.X8_OF.get(int(t), int(t)) for t in types[:2]] + [int(types[2])]
     monkeypatch.setenv("MTPLLM_REPACK", "0")
     plain = make_linear(g, ["a.weight", "b.weight", "c.weight"])
-    assert plain._gt == [int(QT.Q4_K), int(QT.Q6_K), int(QT.Q4_K)]
+    assert plain._gt == [int(t) for t in types]
     x = torch.randn(3, k)
     torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
+    if QT.Q4_K not in types:
+        x = torch.randn(33, k)  # a prompt chunk: the same 8-row GEMM either way
+        assert torch.equal(lin(x), plain(x))
     assert torch.equal(lin.dequantized(), plain.dequantized())
     assert (lin.out_features, lin.in_features) == (60, k)
-    ids = torch.tensor([0, 31, 5])
+    ids = torch.tensor([0, 31, 5, 40])
     assert torch.equal(lin.rows(ids).dequantized(), plain.dequantized()[ids])
 
 
@@ -497,33 +501,6 @@ def test_32_weight_blocks_repacked_by_8_rows_are_the_chunk_products(qtype):
     assert torch.equal(one, y)
     with pytest.raises(RuntimeError, match="Q4_0x8/Q5_0x8/Q8_0x8 weights"):
         kernels.gguf_linear(torch.randn(1, 512), [x8], [t8])
-
-
-@needs_kernel
-def test_linear_repacks_q5_0_and_q8_0_at_load(tmp_path, monkeypatch):
-    """A model's Q5_0/Q8_0 matrices (rows divisible by 8) run repacked, fused with other types;
-    MTPLLM_REPACK=0 keeps the file's blocks; `rows` / `dequantized` still give the file's weights."""
-    from mtpllm.gguf.reader import GGUFFile
-    from mtpllm.gguf.writer import write_gguf
-    from mtpllm.runtime.linear import make_linear
-    k = 256
-    tensors = {"a.weight": (_raw(QT.Q5_0, 32, k, 1), QT.Q5_0), "b.weight": (_raw(QT.Q8_0, 16, k, 2), QT.Q8_0),
-               "c.weight": (_raw(QT.Q5_0, 12, k, 3), QT.Q5_0)}
-    path = tmp_path / "m.gguf"
-    write_gguf(path, "llama", {}, tensors)
-    g = GGUFFile(path)
-    lin = make_linear(g, ["a.weight", "b.weight", "c.weight"])
-    assert lin._gt == [kernels.Q5_0X8, kernels.Q8_0X8, int(QT.Q5_0)]  # 12 rows: not repacked
-    monkeypatch.setenv("MTPLLM_REPACK", "0")
-    plain = make_linear(g, ["a.weight", "b.weight", "c.weight"])
-    assert plain._gt == [int(QT.Q5_0), int(QT.Q8_0), int(QT.Q5_0)]
-    x = torch.randn(3, k)
-    torch.testing.assert_close(lin(x), plain(x), rtol=1e-5, atol=1e-4)
-    x = torch.randn(33, k)  # a prompt chunk: the same GEMM either way
-    assert torch.equal(lin(x), plain(x))
-    assert torch.equal(lin.dequantized(), plain.dequantized())
-    ids = torch.tensor([0, 31, 40])
-    assert torch.equal(lin.rows(ids).dequantized(), plain.dequantized()[ids])
 
 
 @needs_kernel
