@@ -765,13 +765,16 @@ constexpr int64_t Q4_0X8_BYTES = 144, Q5_0X8_BYTES = 176, Q8_0X8_BYTES = 272;
 inline int64_t c32x8_bytes(int64_t t) { return t == Q4_0X8 ? Q4_0X8_BYTES : t == Q5_0X8 ? Q5_0X8_BYTES : Q8_0X8_BYTES; }
 inline int64_t c32x8_d(int64_t t) { return t == Q4_0X8 ? 128 : t == Q5_0X8 ? 160 : 256; }
 
+// software prefetch of the cache lines of the block PF bytes ahead of p (a block of `bytes`)
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF + o), _MM_HINT_T0);
+}
+
 struct C32Q4x8 {
   const uint8_t* w;
   __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
     const uint8_t* p = w + b * Q4_0X8_BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 128), _MM_HINT_T0);
+    prefetch_ahead(p, Q4_0X8_BYTES);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -787,9 +790,7 @@ struct C32Q5x8 {
   const uint8_t* w;
   __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
     const uint8_t* p = w + b * Q5_0X8_BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF + 128), _MM_HINT_T0);
+    prefetch_ahead(p, Q5_0X8_BYTES);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m5 = _mm256_set1_epi8(0x10);
     const __m256i hb = loadu(p + 128);
     cv[0] = _mm256_slli_epi16(hb, 4);  // bit c of each byte -> bit 4 (no bit crosses into bit 4 of
@@ -814,7 +815,7 @@ struct C32Q8x8 {
   const uint8_t* w;
   __attribute__((always_inline)) void block(int64_t b, __m256i cv[8], __m256& d8) const {
     const uint8_t* p = w + b * Q8_0X8_BYTES;
-    for (int o = 0; o < 320; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF + o), _MM_HINT_T0);
+    prefetch_ahead(p, Q8_0X8_BYTES);
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
 #if MTPLLM_VNNI  // used unsigned, as TQ8_0 gives them in this build
