@@ -129,6 +129,11 @@ def test_cli_train_mtp(setup, tiny_dir):
     assert "step 4/4" in r.stderr and "held-out evaluation" in r.stderr and out.exists()
     assert GGUFFile(out).get("mtpllm.eval.prompts") == 1
     assert GGUFFile(out).get("mtpllm.train.data").startswith("a short test text (")
+    fast = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
+                           str(d / "data.txt"), "-o", str(d / "mtp-fast.gguf"), "--steps", "2", "--seq-len", "48",
+                           "--eval-n", "0", "--fast-trunk"], capture_output=True, text=True, timeout=300)
+    assert fast.returncode == 0, fast.stderr
+    assert "compressed kernels" in GGUFFile(d / "mtp-fast.gguf").get("mtpllm.train.data")
     bad = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
                           str(d / "missing"), "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such file or directory" in bad.stderr and "Traceback" not in bad.stderr
@@ -150,6 +155,8 @@ def test_hidden_state_cache_is_exact_reused_and_rebuilt(setup):
     tr.hidden.h.flush()
     again = _trainer(setup, "mtp-cache.gguf", 2)
     assert again.hidden.done.all() and float(again.hidden.get(1).abs().max()) == 0
+    f32 = Engine.load(str(eng.model.source), n_ctx=512, mode="f32")  # the other weights: rebuilt
+    assert not Trainer(f32, windows, tr.cfg, d / "mtp-cache.gguf", "f32 trunk").hidden.done.any()
     other = Trainer(eng, windows[1:], tr.cfg, d / "mtp-cache.gguf", "other")  # other data: rebuilt
     assert not other.hidden.done.any()
     other.hidden.fill(progress=None)

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
 from ..models.base import Transformer
+from ..runtime.linear import Linear
 
 CKPT_VERSION = 1
 
@@ -258,7 +259,8 @@ class HiddenCache:
     output ([windows, seq_len, d_model], ~1.8 KB per token for a 896-wide model) with a bitmap of
     finished windows: an interrupted run resumes filling it. The teacher's distribution is recomputed
     from the stored state through the frozen lm_head (cheap next to the trunk), so nothing else is
-    stored. A key (trunk file, size, windows digest) guards against reusing a cache made for other data.
+    stored. A key (trunk file, size, windows digest, float32 or compressed weights) guards against reusing a
+    cache made for other data or by the other weights.
     """
 
     def __init__(self, path: Path, trunk: Transformer, windows: list[list[int]]):
@@ -267,7 +269,10 @@ class HiddenCache:
         n, s, d = len(windows), len(windows[0]), trunk.cfg.d_model
         digest = hashlib.sha256(np.asarray(windows, dtype=np.int64).tobytes()).hexdigest()
         src = Path(trunk.source)
-        key = {"trunk": str(src.resolve()), "size": src.stat().st_size, "windows": digest, "shape": [n, s, d]}
+        # which weights computed the states: float32, or the compressed kernels (`--fast-trunk`)
+        weights = "fast" if any(isinstance(m, Linear) and m.kind != "f32" for m in trunk.modules()) else "f32"
+        key = {"trunk": str(src.resolve()), "size": src.stat().st_size, "windows": digest, "shape": [n, s, d],
+               "weights": weights}
         self.path, self.meta_path, self.done_path = path, path.with_suffix(".json"), path.with_suffix(".done")
         fresh = True
         if self.meta_path.exists() and self.path.exists() and self.done_path.exists():
