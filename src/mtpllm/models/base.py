@@ -22,7 +22,7 @@ from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
 from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
-from .layers import MLP, Attention, Block, RMSNorm, Rotary, decode_stack, native_rows, rope_inv_freq, run_stack
+from .layers import MLP, Attention, Block, RMSNorm, Rotary, cached_stack, native_rows, rope_inv_freq, run_stack
 
 ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3")
 
@@ -107,11 +107,9 @@ class Transformer(nn.Module):
             raise MtpllmError(f"context overflow: {cache.length} + {T} tokens exceed the context size {cache.max_len}")
         x = self.embed(tokens)
         if native_rows(x, cache):  # decoding / verification: every block in one C++ call
-            if self._stack is None:
-                stack = decode_stack(list(self.blocks))
-                self._stack = False if stack is None else stack
-            if self._stack is not False:
-                x = run_stack(self._stack, list(self.blocks), x, cache.length, cache, 0, len(self.blocks))
+            stack = cached_stack(self, "_stack", list(self.blocks))
+            if stack is not None:
+                x = run_stack(stack, self.blocks[0].attn.rotary, x, cache.length, cache, 0, len(self.blocks))
                 cache.advance(T)
                 return self.norm(x)
         for i, blk in enumerate(self.blocks):

@@ -217,11 +217,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         if native_rows(x, kv):
-            if self._native is None:
-                stack = decode_stack([self])
-                self._native = False if stack is None else stack
-            if self._native is not False:
-                return run_stack(self._native, [self], x, int(positions[0]), kv, layer, 1)
+            stack = cached_stack(self, "_native", [self])
+            if stack is not None:
+                return run_stack(stack, self.attn.rotary, x, int(positions[0]), kv, layer, 1)
         h = self.attn(self.attn_norm(x), positions, kv, layer)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
@@ -277,12 +275,22 @@ def decode_stack(blocks: list[Block]):
     return stack
 
 
-def run_stack(stack, blocks: list[Block], x: torch.Tensor, start: int, kv: KVCache, first: int,
+def cached_stack(owner: nn.Module, attr: str, blocks: list[Block]):
+    """`owner.attr`: the DecodeStack of `blocks`, built on first use; None (remembered as False)
+    where they are outside what it covers."""
+    stack = getattr(owner, attr)
+    if stack is None:
+        stack = decode_stack(blocks)
+        setattr(owner, attr, False if stack is None else stack)
+    return None if stack is None or stack is False else stack
+
+
+def run_stack(stack, rotary: Rotary, x: torch.Tensor, start: int, kv: KVCache, first: int,
               count: int) -> torch.Tensor:
-    """The `count` blocks of `stack` (`blocks`, their modules) over x [T, D] at positions
-    [start, start + T), on cache layers [first, first + count) -> the residual stream after them."""
+    """The `count` blocks of `stack` (sharing `rotary`) over x [T, D] at positions [start, start + T),
+    on cache layers [first, first + count) -> the residual stream after them."""
     T = x.shape[0]
     if start + T > kv.max_len:
         raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
-    cos, sin = blocks[0].attn.rotary.tables(start + T, x.device)
+    cos, sin = rotary.tables(start + T, x.device)
     return stack.forward(x, kv.k[first:first + count], kv.v[first:first + count], cos, sin, start, 0, count)

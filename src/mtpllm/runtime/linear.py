@@ -10,8 +10,8 @@
             run by `aten._weight_int4pack_mm_for_cpu` on CPU.
   - "gguf":  the GGUF tensors' own bytes, read in place from the file mapping, multiplied by the
             engine's CPU kernel (`kernels.gguf_linear`, AVX2) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/
-            Q6_K: no conversion at load and no copy in memory, except Q4_K matrices, repacked at load
-            by 8 rows (`repack`; MTPLLM_REPACK=0 keeps them in place). Activations are quantized to
+            Q6_K: no conversion at load and no copy in memory, except Q4_K/Q4_0/Q5_0/Q8_0 matrices,
+            repacked at load by 8 rows (`repack`; MTPLLM_REPACK=0 keeps them in place). Activations are quantized to
             int8 per block of 32 (llama.cpp's Q8_0), per 256 against K-quants (Q8_K); each output
             row is computed independently of the other rows in the batch.
   - "blocks": the engine's CPU kernel for the other quantized types (`kernels.q8_linear`, AVX2): the file's own integer codes with
@@ -352,10 +352,10 @@ def repack_enabled() -> bool:
 
 
 def repack(g: GGUFFile, name: str, w: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, int]:
-    """The kernel's copy of one file tensor: Q4_K, Q5_0 and Q8_0 with a row count divisible by 8
-    repacked by 8 rows (one vector instruction then multiplies 4 weights of 8 rows, and the per-block
+    """The kernel's copy of one file tensor: Q4_K, Q4_0, Q5_0 and Q8_0 with a row count divisible
+    by 8 repacked by 8 rows (one vector instruction then multiplies 4 weights of 8 rows, and the per-block
     scale and float work is shared by the 8: Q4_K one-row products ~2x faster from cache, Q5_0's at
-    the memory bandwidth instead of ~2/3 of it, verification rows 1.3-2x faster). Q5_0/Q8_0 rows then
+    the memory bandwidth instead of ~2/3 of it, verification rows 1.3-2x faster). Q4_0/Q5_0/Q8_0 rows then
     take the same products for every batch size, the prompt chunks' (`gguf_linear_chunk`). The copy
     replaces the file's pages in memory (released from the mapping; they are read again only by
     `rows`/`dequantized`). Other tensors stay the file's blocks, read in place."""
