@@ -15,11 +15,10 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 
 pytestmark = pytest.mark.slow
 
-# Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) measured for the
-# shipped head when it was trained (1.98, fine-tuned on 925 own answers), less a margin for
-# kernel-level differences between machines. The bar of 2.0 is not reached yet; see
-# docs/benchmarks.md for the figures and what limits them.
-SHIPPED_MIN_MEAN_ACCEPTANCE = 1.9
+# Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
+# 2.01 when trained (642 of 1902 drafted tokens over 634 drafts), the same on every run here (greedy,
+# and the kernels give the same bits on AVX2 and AVX-512 VNNI). The bar is the issue's: above 2.0.
+SHIPPED_MIN_MEAN_ACCEPTANCE = 2.0
 
 
 @pytest.fixture(scope="module")

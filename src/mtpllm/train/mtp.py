@@ -436,11 +436,13 @@ class Trainer:
         with torch.no_grad():  # inputs and teacher: constants of the step
             h = torch.stack([self.hidden.get(i) for i in idx])  # [B, S, D] final-normed trunk states (cached)
             tok = torch.stack([torch.tensor(self.windows[i]) for i in idx])
+        depth = min(self.cfg.depth, S - 2)
+        with torch.no_grad():  # the teacher, once: position s scores against its rows s..S-1
+            teacher = self._logp(h[:, 1:])
+            embs = torch.stack([self.trunk.embed(t) for t in tok])  # [B, S, D]
         loss, prev, w, past = 0.0, h[:, :-1], 1.0, []
-        for s in range(1, min(self.cfg.depth, S - 2) + 1):
-            with torch.no_grad():
-                emb = torch.stack([self.trunk.embed(t[s:]) for t in tok])  # tokens t_{j+s}
-                tgt = self._logp(h[:, s:])  # the teacher
+        for s in range(1, depth + 1):
+            emb, tgt = embs[:, s:], teacher[:, s - 1:]  # tokens t_{j+s}; the trunk's logits at j+s
             nxt = h[:, s:]
             out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
             loss = loss + w * self._step_loss(out, tgt, nxt)
