@@ -299,3 +299,57 @@ def test_training_positions_match_speculative_decoding(setup):
                 assert torch.allclose(got[0], ref[0, j], atol=2e-4, rtol=1e-4), (j, (got[0] - ref[0, j]).abs().max())
     # the old training forward (position s attending to all earlier bases' recursions) differs
     assert not torch.allclose(o2[0, 17], th(e[None, 2:], o1[:, :S - 2])[0][0, 17], atol=1e-3)
+
+
+def test_bf16_autocast_trains_close_to_float32(setup):
+    """precision="bf16": the head's products run in bfloat16 (norms, losses and the teacher in
+    float32). Its first loss is the float32 loss up to bfloat16 rounding, training lowers it as
+    float32 training does, and the parameters (and the written head) stay float32."""
+    f32 = _trainer(setup, "mtp-f32.gguf", 1, depth=2)
+    bf = _trainer(setup, "mtp-bf16.gguf", 20, depth=2, precision="bf16")
+    b = bf.order[:2]
+    l32, l16 = float(f32.batch_loss(b).detach()), float(bf.batch_loss(b).detach())
+    assert l16 != l32 and abs(l16 - l32) < 0.02 * l32
+    bf.train(progress=None)
+    first, last = sum(bf.losses[:3]) / 3, sum(bf.losses[-3:]) / 3
+    assert last < 0.8 * first
+    assert all(p.dtype == torch.float32 for p in bf.head.parameters())
+    with pytest.raises(MtpllmError, match="precision"):
+        TrainConfig(precision="fp8")
+
+
+def test_cli_device_and_precision(setup, tiny_dir):
+    eng, _, d = setup
+    base = [sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
+            str(d / "data.txt"), "--steps", "2", "--seq-len", "48", "--eval-n", "0"]
+    r = subprocess.run(base + ["-o", str(d / "mtp-cpu-bf16.gguf"), "--device", "cpu", "--precision", "bf16"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "on cpu (bf16)" in r.stderr and "step 2/2" in r.stderr
+    bad = subprocess.run(base + ["-o", str(d / "mtp-x.gguf"), "--device", "tpu"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1 and "expected auto, cpu, cuda" in bad.stderr and "Traceback" not in bad.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run(base + ["-o", str(d / "mtp-x.gguf"), "--device", "cuda"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 1 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_cuda(tiny_dir):
+    """With a GPU the trunk and the head run on it (bfloat16 products by default there), the loss
+    goes down, and the written head drafts on the CPU engine."""
+    model = make_tiny(tiny_dir / "trunk-cuda.gguf", "qwen2", seed=8, ctx=1024)
+    (tiny_dir / "data-cuda.txt").write_text(TEXT)
+    eng = Engine.load(str(model), n_ctx=512, device="cuda")
+    windows = token_windows(eng.tokenizer, read_texts([str(tiny_dir / "data-cuda.txt")]), 48, 10_000, 0)
+    tr = Trainer(eng, windows, TrainConfig(steps=25, seq_len=48, batch=2, lr=3e-3, warmup=2, precision="bf16",
+                                           depth=2), tiny_dir / "mtp-cuda.gguf", "test text")
+    assert next(tr.head.parameters()).is_cuda
+    tr.train(progress=None)
+    assert sum(tr.losses[-3:]) < 0.8 * sum(tr.losses[:3])
+    path = tr.write_gguf(sha256_cached(model))
+    cpu = Engine.load(str(model), n_ctx=512)
+    out = cpu.generate(prompt_ids=windows[0][:20], params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       speculative=SpecConfig("mtp", 2, mtp_head=str(path)).build(cpu))
+    assert len(out.tokens) == 8

@@ -251,6 +251,12 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="compute the trunk's hidden states with the compressed kernels decoding uses (about 2x "
                          "faster on CPU) instead of float32; the teacher's logits still use the file's exact "
                          "lm_head weights")
+    ap.add_argument("--device", default="auto",
+                    help="where the trunk and the head run: auto (a CUDA GPU when present, else cpu), cpu, cuda, cuda:N")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="the head's products: bf16 (autocast; norms, losses and the teacher stay float32) or fp32; "
+                         "auto: bf16 on a GPU, fp32 on the CPU (bf16 is ~2.8x faster for the lm_head products on "
+                         "CPUs with AVX-512 BF16)")
     ap.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--eval-prompts", default=None,
                     help="held-out prompts (.jsonl with 'prompt', or text lines); default: HumanEval if installed")
@@ -264,11 +270,13 @@ def cmd_train_mtp(argv: list[str]) -> int:
     from .runtime.engine import Engine
     from .train.mtp import (TrainConfig, Trainer, evaluate_head, humaneval_prompts, load_prompts, read_texts,
                             token_windows)
+    device = _train_device(a.device)
+    precision = a.precision if a.precision != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
                       draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
                       depth_weight=a.depth_weight, seed=a.seed,
                       checkpoint_every=a.checkpoint_every,
-                      max_tokens=a.max_tokens)
+                      max_tokens=a.max_tokens, precision=precision)
     out = Path(a.output)
     if out.parent and not out.parent.exists():
         raise MtpllmError(f"-o {a.output}: directory {out.parent} does not exist")
@@ -278,14 +286,14 @@ def cmd_train_mtp(argv: list[str]) -> int:
     # batches need no per-call dequantization), or with --fast-trunk on the compressed kernels: the
     # hidden states the head sees when it drafts, at about twice the speed
     eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + a.eval_tokens + 512), threads=a.threads,
-                      mode="fast" if a.fast_trunk else "f32")
+                      mode="fast" if a.fast_trunk else "f32", device=device)
     if eng.model.cfg.n_nextn:
         print(f"note: {a.model} already has {eng.model.cfg.n_nextn} MTP layer(s); training a separate head",
               file=sys.stderr)
     windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed)
     n_tok = len(windows) * cfg.seq_len
     print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
-          f"{cfg.steps} steps x {cfg.batch} windows", file=sys.stderr)
+          f"{cfg.steps} steps x {cfg.batch} windows on {device} ({precision})", file=sys.stderr)
     # names only: no local paths
     desc = (a.describe or ", ".join(Path(p).name for p in a.data)) + f" ({n_tok} tokens" + \
         ("; trunk states from the compressed kernels)" if a.fast_trunk else ")")
@@ -302,13 +310,29 @@ def cmd_train_mtp(argv: list[str]) -> int:
         # evaluate on the compressed path users decode with (the float32 path verifies row by row)
         n_ctx, source = eng.n_ctx, str(eng.model.source)
         del eng, tr.head_w
-        eng = Engine.load(source, n_ctx=n_ctx, threads=a.threads)
+        eng = Engine.load(source, n_ctx=n_ctx, threads=a.threads, device=device)
         stats = evaluate_head(eng, str(out), held, k=3, max_tokens=a.eval_tokens)
         print(f"held-out evaluation ({len(held)} prompts, k=3, greedy):\n{stats.summary()}", file=sys.stderr)
         tr.write_gguf(trunk_sha, {"mtpllm.eval.mean_acceptance_length": stats.mean_acceptance_length,
                                   "mtpllm.eval.per_position": json.dumps(stats.per_position_acceptance),
                                   "mtpllm.eval.prompts": len(held)})
     return 0
+
+
+def _train_device(name: str) -> str:
+    """--device of train-mtp: auto picks a CUDA GPU when PyTorch sees one."""
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise MtpllmError(f"--device {name}: PyTorch sees no CUDA GPU on this machine (use cpu or auto)")
+        if ":" in name and int(name[5:]) >= torch.cuda.device_count():
+            raise MtpllmError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+        return name
+    raise MtpllmError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
 
 
 def cmd_inspect(argv: list[str]) -> int:

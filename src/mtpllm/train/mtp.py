@@ -69,6 +69,7 @@ class TrainableHead(nn.Module):
         self.act = F.silu if c.act == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
 
     def _rms(self, x, w):
+        x = x.float()  # norms in float32, also under bfloat16 autocast (which covers the products)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, past: list | None = None):
@@ -85,13 +86,15 @@ class TrainableHead(nn.Module):
         B, T, D = emb.shape
         H, KV, hd = c.n_heads, c.n_kv_heads, c.head_dim
         s = 1 + len(past or [])
-        x = torch.cat([self._rms(emb, self.enorm), self._rms(hidden, self.hnorm)], -1) @ self.eh_proj.t()
+        dev = emb.device
+        # the residual stream stays float32 (products may run in bfloat16 under autocast)
+        x = (torch.cat([self._rms(emb, self.enorm), self._rms(hidden, self.hnorm)], -1) @ self.eh_proj.t()).float()
         h = self._rms(x, self.attn_norm)
         qkv = h @ torch.cat([self.wq, self.wk, self.wv]).t()
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([H * hd, KV * hd, KV * hd], -1)
-        pos = (torch.arange(T) + (s - 1)).repeat(B)
+        pos = (torch.arange(T, device=dev) + (s - 1)).repeat(B)
         q = self.rotary(q.reshape(B * T, H, hd), pos).view(B, T, H, hd).transpose(1, 2)
         k = self.rotary(k.reshape(B * T, KV, hd), pos).view(B, T, KV, hd).transpose(1, 2)
         v = v.view(B, T, KV, hd).transpose(1, 2)  # [B, KV, T, hd]
@@ -101,9 +104,9 @@ class TrainableHead(nn.Module):
             keys = torch.cat([pk[:, :, :T] if u else pk for u, (pk, _) in enumerate(past)] + [k], 2)
             vals = torch.cat([pv[:, :, :T] if u else pv for u, (_, pv) in enumerate(past)] + [v], 2)
             T1 = past[0][0].shape[2]
-            j = torch.arange(T)[:, None]
-            true = torch.arange(T1)[None, :] <= j  # [T, T1]: true entries at positions <= j
-            own = (torch.arange(T)[None, :] == j).repeat(1, s - 1)  # [T, (s-1) T]: base j's recursion
+            j = torch.arange(T, device=dev)[:, None]
+            true = torch.arange(T1, device=dev)[None, :] <= j  # [T, T1]: true entries at positions <= j
+            own = (torch.arange(T, device=dev)[None, :] == j).repeat(1, s - 1)  # [T, (s-1) T]: base j's recursion
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=torch.cat([true, own], 1),
                                                scale=c.attn_scale, enable_gqa=H != KV)
         x = x + o.transpose(1, 2).reshape(B, T, -1) @ self.wo.t()
@@ -126,7 +129,8 @@ class TrainableHead(nn.Module):
                 ref.copy_(t.reshape(ref.shape))
             if self.qkv_bias is not None:
                 p = f"blk.{L}."
-                self.qkv_bias.copy_(torch.cat([g.load(p + f"attn_{x}.bias").reshape(-1) for x in "qkv"]))
+                self.qkv_bias.copy_(torch.cat([g.load(p + f"attn_{x}.bias").reshape(-1) for x in "qkv"]).to(
+                    self.qkv_bias.device))
 
     def _export_attrs(self, L: int) -> dict[str, str]:
         p = f"blk.{L}."
@@ -145,7 +149,7 @@ class TrainableHead(nn.Module):
             bq, bk, bv = self.qkv_bias.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                                               c.n_kv_heads * c.head_dim])
             t.update({p + "attn_q.bias": bq, p + "attn_k.bias": bk, p + "attn_v.bias": bv})
-        return {k: v.detach().float().contiguous() for k, v in t.items()}
+        return {k: v.detach().float().cpu().contiguous() for k, v in t.items()}
 
 
 # ---------------------------------------------------------------------------- data
@@ -232,6 +236,7 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
+    precision: str = "fp32"  # "bf16": the head's products under bfloat16 autocast (norms, losses, teacher: float32)
 
     def __post_init__(self):
         for k in ("steps", "seq_len", "batch", "checkpoint_every", "max_tokens"):
@@ -249,6 +254,8 @@ class TrainConfig:
             raise MtpllmError(f"train-mtp: depth-weight must be > 0, got {self.depth_weight}")
         if self.ffn < 0 or self.draft_vocab < 0:
             raise MtpllmError("train-mtp: ffn and draft-vocab must be >= 0")
+        if self.precision not in ("fp32", "bf16"):
+            raise MtpllmError(f"train-mtp: precision must be fp32 or bf16, got {self.precision!r}")
 
 
 class HiddenCache:
@@ -263,9 +270,9 @@ class HiddenCache:
     cache made for other data or by the other weights.
     """
 
-    def __init__(self, path: Path, trunk: Transformer, windows: list[list[int]]):
+    def __init__(self, path: Path, trunk: Transformer, windows: list[list[int]], device: torch.device | str = "cpu"):
         import hashlib
-        self.trunk, self.windows = trunk, windows
+        self.trunk, self.windows, self.device = trunk, windows, torch.device(device)
         n, s, d = len(windows), len(windows[0]), trunk.cfg.d_model
         digest = hashlib.sha256(np.asarray(windows, dtype=np.int64).tobytes()).hexdigest()
         src = Path(trunk.source)
@@ -289,10 +296,10 @@ class HiddenCache:
             self.meta_path.write_text(json.dumps(key))
 
     def _compute(self, i: int) -> None:
-        ids = torch.tensor(self.windows[i])
+        ids = torch.tensor(self.windows[i], device=self.device)
         with torch.inference_mode():
-            h = self.trunk(ids, self.trunk.make_cache(len(ids)))  # [S, D] final-normed
-        self.h[i] = h.float().numpy().astype(np.float16)
+            h = self.trunk(ids, self.trunk.make_cache(len(ids), self.device))  # [S, D] final-normed
+        self.h[i] = h.float().cpu().numpy().astype(np.float16)
         self.done[i] = True
 
     def fill(self, progress=sys.stderr) -> None:
@@ -326,6 +333,13 @@ class Trainer:
         self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
         trunk = engine.model
         self.trunk = trunk
+        self.device = torch.device(engine.device)
+        if cfg.precision == "bf16" and self.device.type == "cpu":
+            from ..runtime.kernels import _cpu_flags
+            if any(f.startswith("amx") for f in _cpu_flags()):
+                # bfloat16 products go through oneDNN, which would pick AMX where the CPU claims it;
+                # AMX faults on some virtual machines, and AVX-512 BF16 is close in speed for these shapes
+                os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         torch.manual_seed(cfg.seed)
         init_g = None
         if init:  # fine-tune an existing head: its FFN width and draft vocabulary are kept
@@ -337,7 +351,7 @@ class Trainer:
                 raise MtpllmError("train-mtp: --init keeps the head's FFN width; drop --ffn")
         else:
             ffn = cfg.ffn or trunk.blocks[-1].mlp.down.in_features
-        self.head = TrainableHead(trunk, ffn, cfg.seed)
+        self.head = TrainableHead(trunk, ffn, cfg.seed).to(self.device)
         self.windows = windows
         V = trunk.cfg.vocab_size
         if init_g is not None:
@@ -355,11 +369,11 @@ class Trainer:
             self.vocab = self._frequent(windows, cfg.draft_vocab)
         else:
             self.vocab = None
-        W = trunk.lm_head.dequantized()
-        self.head_w = (W[self.vocab] if self.vocab is not None else W).contiguous()  # frozen, shared
+        W = trunk.lm_head.dequantized().to(self.device)
+        self.head_w = (W[self.vocab.to(self.device)] if self.vocab is not None else W).contiguous()  # frozen, shared
         self.opt = torch.optim.AdamW([p for p in self.head.parameters()], lr=cfg.lr, weight_decay=0.0,
                                      betas=(0.9, 0.98))
-        self.hidden = HiddenCache(out.with_suffix(out.suffix + ".hidden.npy"), trunk, windows)
+        self.hidden = HiddenCache(out.with_suffix(out.suffix + ".hidden.npy"), trunk, windows, self.device)
         self.step = 0
         self.losses: list[float] = []
         self.order = list(range(len(windows)))
@@ -390,12 +404,12 @@ class Trainer:
         if not self.ckpt_path.exists():
             return False
         try:
-            ck = torch.load(self.ckpt_path, weights_only=False)
+            ck = torch.load(self.ckpt_path, weights_only=False, map_location=self.device)
         except Exception as exc:
             raise MtpllmError(f"{self.ckpt_path}: cannot read checkpoint ({exc}); delete it to start over") from None
         # the number of steps (and checkpoint period) may change between runs: resuming with a larger
         # --steps continues training (the cosine schedule stretches to the new total)
-        free = ("steps", "checkpoint_every")
+        free = ("steps", "checkpoint_every", "precision")
         same = {k: v for k, v in (ck.get("cfg") or {}).items() if k not in free} == \
             {k: v for k, v in self.cfg.__dict__.items() if k not in free}
         if ck.get("version") != CKPT_VERSION or not same:
@@ -434,8 +448,8 @@ class Trainer:
         token t_{j+s}, and is scored against the trunk's distribution of t_{j+s+1}."""
         S = len(self.windows[idx[0]])
         with torch.no_grad():  # inputs and teacher: constants of the step
-            h = torch.stack([self.hidden.get(i) for i in idx])  # [B, S, D] final-normed trunk states (cached)
-            tok = torch.stack([torch.tensor(self.windows[i]) for i in idx])
+            h = torch.stack([self.hidden.get(i) for i in idx]).to(self.device)  # [B, S, D] final-normed trunk states
+            tok = torch.tensor([self.windows[i] for i in idx], device=self.device)
         depth = min(self.cfg.depth, S - 2)
         with torch.no_grad():  # the teacher, once: position s scores against its rows s..S-1
             teacher = self._logp(h[:, 1:])
@@ -444,8 +458,9 @@ class Trainer:
         for s in range(1, depth + 1):
             emb, tgt = embs[:, s:], teacher[:, s - 1:]  # tokens t_{j+s}; the trunk's logits at j+s
             nxt = h[:, s:]
-            out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
-            loss = loss + w * self._step_loss(out, tgt, nxt)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+                out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
+                loss = loss + w * self._step_loss(out, tgt, nxt)
             prev, w = out, w * self.cfg.depth_weight
             past.append(kv)
         return loss
