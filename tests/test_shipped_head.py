@@ -56,8 +56,9 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.69 when trained.
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.6
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.73 when trained
+# (528 of 2163 drafted tokens over 721 drafts; the same bits on every run here, like the 0.5B's).
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.7
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
