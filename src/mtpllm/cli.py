@@ -255,8 +255,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="where the trunk and the head run: auto (a CUDA GPU when present, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                     help="the head's products: bf16 (autocast; norms, losses and the teacher stay float32) or fp32; "
-                         "auto: bf16 on a GPU, fp32 on the CPU (bf16 is ~2.8x faster for the lm_head products on "
-                         "CPUs with AVX-512 BF16)")
+                         "auto: bf16 on a GPU, fp32 on the CPU (on CPUs with AVX-512 BF16 a bf16 step is ~1.5x "
+                         "faster)")
     ap.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--eval-prompts", default=None,
                     help="held-out prompts (.jsonl with 'prompt', or text lines); default: HumanEval if installed")

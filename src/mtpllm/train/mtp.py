@@ -337,8 +337,8 @@ class Trainer:
         if cfg.precision == "bf16" and self.device.type == "cpu":
             from ..runtime.kernels import _cpu_flags
             if any(f.startswith("amx") for f in _cpu_flags()):
-                # bfloat16 products go through oneDNN, which would pick AMX where the CPU claims it;
-                # AMX faults on some virtual machines, and AVX-512 BF16 is close in speed for these shapes
+                # bfloat16 products go through oneDNN, which would pick AMX where the CPU claims it, and
+                # AMX faults on some virtual machines: keep it to AVX-512 BF16 (read when oneDNN starts)
                 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         torch.manual_seed(cfg.seed)
         init_g = None
