@@ -329,6 +329,11 @@ def test_cli_device_and_precision(setup, tiny_dir):
     bad = subprocess.run(base + ["-o", str(d / "mtp-x.gguf"), "--device", "tpu"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 1 and "expected auto, cpu, cuda" in bad.stderr and "Traceback" not in bad.stderr
+    # the same check serves every command that loads a model
+    for cmd in (["run", "-p", "hi", "-n", "1"], ["bench", "-p", "4", "-n", "1", "-r", "1"]):
+        r = subprocess.run([sys.executable, "-m", "mtpllm", *cmd, "-m", str(eng.model.source), "--device", "tpu"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and "expected auto, cpu, cuda" in r.stderr and "Traceback" not in r.stderr, cmd
     if not torch.cuda.is_available():
         r = subprocess.run(base + ["-o", str(d / "mtp-x.gguf"), "--device", "cuda"], capture_output=True,
                            text=True, timeout=300)

@@ -41,7 +41,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads (default: all cores)")
     g.add_argument("--dequantize", action="store_true",
                    help="run every weight dequantized to float32 (exact reference path, slower)")
-    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    g.add_argument("--device", default="cpu",
+                   help="cpu (the compressed kernels), cuda, cuda:N or auto (a CUDA GPU when present); "
+                        "other devices run the weights dequantized")
     g.add_argument("--rope-freq-base", type=float, default=None, help="override the RoPE base frequency")
     g.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default=None, help="RoPE scaling type")
     g.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor (target / original context)")
@@ -267,10 +269,10 @@ def cmd_train_mtp(argv: list[str]) -> int:
     from pathlib import Path
 
     from .registry import sha256_cached
-    from .runtime.engine import Engine
+    from .runtime.engine import Engine, resolve_device
     from .train.mtp import (TrainConfig, Trainer, evaluate_head, humaneval_prompts, load_prompts, read_texts,
                             token_windows)
-    device = _train_device(a.device)
+    device = resolve_device(a.device)
     precision = a.precision if a.precision != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
                       draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
@@ -317,22 +319,6 @@ def cmd_train_mtp(argv: list[str]) -> int:
                                   "mtpllm.eval.per_position": json.dumps(stats.per_position_acceptance),
                                   "mtpllm.eval.prompts": len(held)})
     return 0
-
-
-def _train_device(name: str) -> str:
-    """--device of train-mtp: auto picks a CUDA GPU when PyTorch sees one."""
-    import torch
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
-    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise MtpllmError(f"--device {name}: PyTorch sees no CUDA GPU on this machine (use cpu or auto)")
-        if ":" in name and int(name[5:]) >= torch.cuda.device_count():
-            raise MtpllmError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
-        return name
-    raise MtpllmError(f"--device {name}: expected auto, cpu, cuda or cuda:N")
 
 
 def cmd_inspect(argv: list[str]) -> int:

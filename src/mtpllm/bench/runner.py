@@ -222,6 +222,8 @@ def main(argv: list[str]) -> int:
         raise MtpllmError("-r and --n-prompts must be >= 1 and --warmup >= 0")
     if not a.n_gen or min(a.n_gen) < 1:
         raise MtpllmError("-n must be >= 1")
+    from ..runtime.engine import resolve_device
+    a.device = resolve_device(a.device)  # before any model loads: the report records the device used
     specs = [parse_spec(s) for s in a.spec.split(",")]
     sets = [s.strip() for s in a.prompts.split(",") if s.strip()]
     for s in sets:

@@ -71,6 +71,22 @@ class Completion:
     stats: object | None = None
 
 
+def resolve_device(name: str) -> str:
+    """A device name from the command line or a caller: cpu, cuda, cuda:N, or auto (a CUDA GPU
+    when PyTorch sees one, else the CPU). Anything else, or a GPU that is not there, is an MtpllmError."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise MtpllmError(f"device {name}: PyTorch sees no CUDA GPU on this machine (use cpu or auto)")
+        if ":" in name and int(name[5:]) >= torch.cuda.device_count():
+            raise MtpllmError(f"device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+        return name
+    raise MtpllmError(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
+
+
 class Engine:
     """A model ready to generate. Create with `Engine.load(name_or_path, ...)`."""
 
@@ -91,6 +107,7 @@ class Engine:
     @classmethod
     def load(cls, name_or_path: str, n_ctx: int | None = None, mode: str = "fast", threads: int | None = None,
              cfg_overrides: dict | None = None, device: str = "cpu") -> "Engine":
+        device = resolve_device(device)
         if threads:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
