@@ -43,7 +43,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                    help="run every weight dequantized to float32 (exact reference path, slower)")
     g.add_argument("--device", default="cpu",
                    help="cpu (the compressed kernels), cuda, cuda:N or auto (a CUDA GPU when present); "
-                        "other devices run the weights dequantized")
+                        "a GPU runs the weights dequantized")
     g.add_argument("--rope-freq-base", type=float, default=None, help="override the RoPE base frequency")
     g.add_argument("--rope-scaling", choices=["none", "linear", "yarn"], default=None, help="RoPE scaling type")
     g.add_argument("--rope-scale", type=float, default=None, help="RoPE scaling factor (target / original context)")
