@@ -87,6 +87,75 @@ EXPLAIN_TOPICS = [
 MORE_PROSE = ([f"Write a short story about {s}." for s in STORY_SUBJECTS]
               + [f"Explain how {t}." for t in EXPLAIN_TOPICS])
 
+# a third set (`--more-prose`), kept out of the default list so that earlier runs' commands still
+# give the same prompts; none of these is one of the benchmark's held-out prose prompts
+STORY_SUBJECTS_2 = [
+    "a baker's apprentice who oversleeps on the day of a royal wedding", "a librarian who collects lost letters",
+    "a girl who builds a raft to cross a lake", "an old man who plants a tree every birthday",
+    "a mouse living inside a piano", "a nurse on a night shift during a snowstorm", "a boy who swaps places with his shadow",
+    "a woman who opens a bookshop in a lighthouse town", "a street musician who plays for a silent city",
+    "a beekeeper's daughter who is afraid of bees", "a map-maker who draws a country that does not exist",
+    "a retired sailor who teaches knots to children", "a goat who climbs the tallest mountain",
+    "a scientist whose experiment makes it rain indoors", "a girl who keeps a diary for her future self",
+    "a mail carrier on an island with one road", "a firefighter and a frightened kitten",
+    "a prince who would rather be a gardener", "a family of owls in a church tower",
+    "a boy who can hear what plants think", "a train conductor on the last night train",
+    "a carpenter who builds a chair for a ghost", "a village that holds a contest for the ugliest vegetable",
+    "a photographer who only takes pictures of doors", "twin sisters who run a lemonade stand",
+    "a dog who waits at the station every day", "an inventor whose umbrella can fly",
+    "a queen who loses her crown in the garden", "a child who befriends a lonely whale",
+    "a chess player who never loses until he meets a child", "a farmer whose scarecrow comes to life",
+    "a potter who makes a bowl that is never empty", "a girl who counts every step to school",
+    "an explorer who gets lost in a desert and follows the stars", "a cook on a pirate ship",
+    "a tortoise who opens a bakery", "a boy who repairs bicycles for the whole town",
+    "a widow who learns to dance at eighty", "a knight who is afraid of horses",
+    "a kite that escapes and sees the world",
+]
+EXPLAIN_TOPICS_2 = [
+    "a thermometer measures temperature", "a lock and key work", "bread rises in the oven",
+    "a hydroelectric dam makes electricity", "the ear hears sound", "a wind turbine turns wind into power",
+    "glass is made from sand", "a printing press works", "a lightbulb produces light",
+    "an ant colony organises its work", "the kidneys clean the blood", "a sailboat can sail against the wind",
+    "a credit card payment goes through", "coffee is grown and roasted", "a clock keeps time",
+    "a rocket reaches orbit", "a hospital emergency room decides who is treated first",
+    "fish breathe under water", "a map is drawn from satellite images", "yeast makes beer and wine",
+    "the post office delivers a letter across the world", "rainbows appear after rain",
+    "a dishwasher cleans dishes", "cheese is made from milk", "mountains are formed",
+    "a spider spins its web", "a thermostat controls a heater", "an election counts votes",
+    "paper is made from trees", "a car engine turns fuel into motion", "salt is harvested from the sea",
+    "bats find their way in the dark", "a library organises its books", "a lighthouse guides ships",
+    "wool becomes a sweater", "the brain forms memories", "a fridge magnet sticks to metal",
+    "a loan's interest adds up over time", "a coral reef grows", "a recipe can be scaled for more people",
+]
+EXPLAIN_IDEAS = [
+    "what a fraction is", "why we need sleep", "what a democracy is", "how to take good notes in a lecture",
+    "what an ecosystem is", "why the ocean is salty", "what a calorie is", "how to plan a vegetable garden",
+    "what a contract is", "why bridges have expansion joints", "what a habit is and how to change one",
+    "how to prepare for a job interview", "what the greenhouse effect is", "why we yawn",
+    "how to write a good essay", "what a symphony orchestra is made of", "what erosion is",
+    "how to learn a new language as an adult", "what a time zone is", "why some metals rust",
+]
+SCENES = [
+    "a harbour during a storm", "a quiet library on a rainy afternoon", "a desert at sunrise",
+    "a kitchen on a holiday morning", "a snowy village at midnight", "a football stadium before the final",
+    "an old bookshop", "a field of sunflowers in August", "a hospital waiting room", "a railway station in the fog",
+    "a forest after a wildfire", "a school playground at the end of the day", "a fishing boat at dawn",
+    "a mountain lake in autumn", "a night sky far from any city",
+]
+LETTERS = [
+    "from a soldier to his mother", "from a teacher to a former student", "to a neighbour apologising for a noisy party",
+    "from a child to an astronaut", "to a future self in ten years", "from a farmer to the town council about a road",
+    "from a traveller describing a first visit to Japan", "thanking a doctor", "to a pen friend in another country",
+    "from a girl to her grandfather about her first job",
+]
+PROSE_2 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_2]
+           + [f"Write a fairy tale about {s}." for s in STORY_SUBJECTS_2]
+           + [f"Write the opening of a novel about {s}." for s in STORY_SUBJECTS_2]
+           + [f"Explain how {t}." for t in EXPLAIN_TOPICS_2]
+           + [f"Explain {t}, in simple words." for t in EXPLAIN_IDEAS]
+           + [f"Describe {s}." for s in SCENES]
+           + [f"Write a letter {x}." for x in LETTERS])
+
 
 def stdlib_prompts(root: Path, limit: int, seed: int) -> list[str]:
     """HumanEval-style prompts: public functions with a docstring (module level, in the standard
@@ -118,6 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", required=True, help="registry name or GGUF file")
     ap.add_argument("--stdlib", required=True, help="directory of Python sources for code prompts")
     ap.add_argument("--code", type=int, default=240, help="number of code prompts")
+    ap.add_argument("--more-prose", action="store_true",
+                    help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, letters)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8,
@@ -133,7 +204,7 @@ def main(argv=None) -> int:
     eng = Engine.load(a.model, n_ctx=2048, threads=a.threads)
     spec = SpecConfig("ngram", 3).build(eng)
 
-    prompts = PROSE + MORE_PROSE + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
+    prompts = PROSE + MORE_PROSE + (PROSE_2 if a.more_prose else []) + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
     random.Random(a.seed).shuffle(prompts)  # prose and code interleaved: a partial run has both
     out = Path(a.out)
     done = set()
