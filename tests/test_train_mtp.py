@@ -134,33 +134,50 @@ def test_cli_train_mtp(setup, tiny_dir):
                            "--eval-n", "0", "--fast-trunk"], capture_output=True, text=True, timeout=300)
     assert fast.returncode == 0, fast.stderr
     assert "compressed kernels" in GGUFFile(d / "mtp-fast.gguf").get("mtpllm.train.data")
+    # a shared folder of trunk states: the second run (another output) computes nothing
+    shared = [sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data", str(d / "data.txt"),
+              "--steps", "1", "--seq-len", "48", "--eval-n", "0", "--hidden-cache", str(d / "states")]
+    first = subprocess.run(shared + ["-o", str(d / "mtp-s1.gguf")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    n_files = len(list((d / "states").rglob("*.npy")))
+    second = subprocess.run(shared + ["-o", str(d / "mtp-s2.gguf")], capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert n_files > 0 and "windows already in" in second.stderr and "eta" not in second.stderr.split("step")[0]
+    assert len(list((d / "states").rglob("*.npy"))) == n_files and not (d / "mtp-s2.gguf.hidden").exists()
     bad = subprocess.run([sys.executable, "-m", "mtpllm", "train-mtp", "-m", str(eng.model.source), "--data",
                           str(d / "missing"), "-o", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "no such file or directory" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_hidden_state_cache_is_exact_reused_and_rebuilt(setup):
-    """The trunk states are computed once per window (float16 on disk), reused by a second run,
-    and rebuilt when the windows change."""
+    """The trunk states are computed once per window (float16 on disk), reused by a second run and
+    by a run over another mixture that shares windows, and computed anew for the other weights."""
     import numpy as np
     eng, windows, d = setup
     tr = _trainer(setup, "mtp-cache.gguf", 2)
     tr.hidden.fill(progress=None)
-    assert tr.hidden.done.all()
+    assert tr.hidden.done.all() and len({f.name for f in tr.hidden.files}) == len(set(map(tuple, windows)))
     ids = torch.tensor(windows[1])
     ref = eng.model(ids, eng.model.make_cache(len(ids)))
     got = tr.hidden.get(1)
     assert torch.allclose(got, ref.float(), rtol=2e-3, atol=2e-3)  # float16 storage: ~3 significant digits
-    tr.hidden.h[1] = 0  # a reused cache is read, not recomputed
-    tr.hidden.h.flush()
-    again = _trainer(setup, "mtp-cache.gguf", 2)
+    np.save(tr.hidden.files[1], np.zeros((len(windows[1]), eng.model.cfg.d_model), np.float16))
+    again = _trainer(setup, "mtp-cache.gguf", 2)  # a reused cache is read, not recomputed
     assert again.hidden.done.all() and float(again.hidden.get(1).abs().max()) == 0
-    f32 = Engine.load(str(eng.model.source), n_ctx=512, mode="f32")  # the other weights: rebuilt
+    f32 = Engine.load(str(eng.model.source), n_ctx=512, mode="f32")  # the other weights: their own states
     assert not Trainer(f32, windows, tr.cfg, d / "mtp-cache.gguf", "f32 trunk").hidden.done.any()
-    other = Trainer(eng, windows[1:], tr.cfg, d / "mtp-cache.gguf", "other")  # other data: rebuilt
-    assert not other.hidden.done.any()
+    # another mixture: the windows it shares are read, the new one is computed
+    new = [(t + 7) % eng.model.cfg.vocab_size for t in windows[0]]
+    other = Trainer(eng, windows[1:] + [new], tr.cfg, d / "mtp-other.gguf", "other", hidden_dir=tr.hidden.dir.parent)
+    assert other.hidden.done[:-1].all() and not other.hidden.done[-1]
+    assert float(other.hidden.get(0).abs().max()) == 0  # windows[1], zeroed above: read from the shared folder
     other.hidden.fill(progress=None)
-    assert np.allclose(np.asarray(other.hidden.h[0], dtype=np.float32), ref.float().numpy(), rtol=2e-3, atol=2e-3)
+    ids = torch.tensor(new)
+    assert torch.allclose(other.hidden.get(len(windows) - 1), eng.model(ids, eng.model.make_cache(len(ids))).float(),
+                          rtol=2e-3, atol=2e-3)
+    tr.hidden.files[2].write_bytes(b"not an array")  # an unreadable file is computed again
+    assert torch.allclose(tr.hidden.get(2), eng.model(torch.tensor(windows[2]), eng.model.make_cache(len(windows[2]))).float(),
+                          rtol=2e-3, atol=2e-3)
 
 
 def test_one_large_document_cannot_crowd_out_the_rest(setup, tiny_dir):

@@ -253,6 +253,10 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="compute the trunk's hidden states with the compressed kernels decoding uses (about 2x "
                          "faster on CPU) instead of float32; the teacher's logits still use the file's exact "
                          "lm_head weights")
+    ap.add_argument("--hidden-cache", metavar="DIR",
+                    help="folder for the trunk's hidden states, one file per training window (default: "
+                         "OUTPUT.hidden next to the head); runs that share it compute each window once, "
+                         "whatever mixture of texts the window came from")
     ap.add_argument("--device", default="auto",
                     help="where the trunk and the head run: auto (a CUDA GPU when present, else cpu), cpu, cuda, cuda:N")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
@@ -299,7 +303,7 @@ def cmd_train_mtp(argv: list[str]) -> int:
     # names only: no local paths
     desc = (a.describe or ", ".join(Path(p).name for p in a.data)) + f" ({n_tok} tokens" + \
         ("; trunk states from the compressed kernels)" if a.fast_trunk else ")")
-    tr = Trainer(eng, windows, cfg, out, desc, init=a.init)
+    tr = Trainer(eng, windows, cfg, out, desc, init=a.init, hidden_dir=a.hidden_cache)
     if not a.no_resume and tr.load_checkpoint():
         print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)
     t0 = time.time()

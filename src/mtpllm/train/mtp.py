@@ -261,73 +261,79 @@ class TrainConfig:
 class HiddenCache:
     """The frozen trunk's final-normed hidden states for every training window, computed once.
 
-    Training runs many epochs over the same windows and the trunk forward is by far the most
-    expensive part of a step, so the states live in a float16 memory-mapped file next to the
-    output ([windows, seq_len, d_model], ~1.8 KB per token for a 896-wide model) with a bitmap of
-    finished windows: an interrupted run resumes filling it. The teacher's distribution is recomputed
-    from the stored state through the frozen lm_head (cheap next to the trunk), so nothing else is
-    stored. A key (trunk file, size, windows digest, float32 or compressed weights) guards against reusing a
-    cache made for other data or by the other weights.
+    The trunk forward is by far the most expensive part of training, so each window's states
+    [seq_len, d_model] are kept on disk in float16 (~1.8 KB per token for a 896-wide model), one
+    file per window named by the digest of its tokens, under a folder per trunk (its file, size,
+    and float32 or compressed weights). A window is computed only if no file exists for it: a
+    second run over the same windows, an interrupted run, and a run over another mixture of texts
+    that shares documents with earlier runs (`train-mtp --hidden-cache DIR`) all read what is
+    there. Files are written whole (a temporary file, then a rename), so an interruption never
+    leaves a partial window behind. The teacher's distribution is recomputed from the stored state
+    through the frozen lm_head, so nothing else is stored.
     """
 
-    def __init__(self, path: Path, trunk: Transformer, windows: list[list[int]], device: torch.device | str = "cpu"):
+    def __init__(self, root: Path, trunk: Transformer, windows: list[list[int]], device: torch.device | str = "cpu"):
         import hashlib
         self.trunk, self.windows, self.device = trunk, windows, torch.device(device)
-        n, s, d = len(windows), len(windows[0]), trunk.cfg.d_model
-        digest = hashlib.sha256(np.asarray(windows, dtype=np.int64).tobytes()).hexdigest()
         src = Path(trunk.source)
-        # which weights computed the states: float32, or the compressed kernels (`--fast-trunk`)
+        # which weights compute the states: float32, or the compressed kernels (`--fast-trunk`)
         weights = "fast" if any(isinstance(m, Linear) and m.kind != "f32" for m in trunk.modules()) else "f32"
-        key = {"trunk": str(src.resolve()), "size": src.stat().st_size, "windows": digest, "shape": [n, s, d],
-               "weights": weights}
-        self.path, self.meta_path, self.done_path = path, path.with_suffix(".json"), path.with_suffix(".done")
-        fresh = True
-        if self.meta_path.exists() and self.path.exists() and self.done_path.exists():
-            try:
-                fresh = json.loads(self.meta_path.read_text()) != key
-            except (OSError, json.JSONDecodeError):
-                fresh = True
-        mode = "w+" if fresh else "r+"
-        self.h = np.lib.format.open_memmap(self.path, mode=mode, dtype=np.float16, shape=(n, s, d))
-        self.done = np.lib.format.open_memmap(self.done_path, mode=mode, dtype=np.bool_, shape=(n,))
-        if fresh:
-            self.done[:] = False
-            self.done.flush()
-            self.meta_path.write_text(json.dumps(key))
+        key = {"trunk": str(src.resolve()), "size": src.stat().st_size, "weights": weights,
+               "d_model": trunk.cfg.d_model}
+        self.dir = Path(root) / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "trunk.json").write_text(json.dumps(key))
+        except OSError as exc:
+            raise MtpllmError(f"hidden-state cache {root}: cannot write there ({exc})") from None
+        self.files = [self.dir / (hashlib.sha256(np.asarray(w, dtype=np.int64).tobytes()).hexdigest()[:32] + ".npy")
+                      for w in windows]
+        self.done = np.array([f.exists() for f in self.files], dtype=np.bool_)
 
-    def _compute(self, i: int) -> None:
+    def _compute(self, i: int) -> np.ndarray:
         ids = torch.tensor(self.windows[i], device=self.device)
         with torch.inference_mode():
             h = self.trunk(ids, self.trunk.make_cache(len(ids), self.device))  # [S, D] final-normed
-        self.h[i] = h.float().cpu().numpy().astype(np.float16)
+        arr = h.float().cpu().numpy().astype(np.float16)
+        tmp = self.files[i].with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, arr)
+        os.replace(tmp, self.files[i])
         self.done[i] = True
+        return arr
 
     def fill(self, progress=sys.stderr) -> None:
         """Compute every missing window (resumable; progress with ETA)."""
         todo = np.flatnonzero(~self.done)
+        if progress is not None and self.done.any():
+            progress.write(f"trunk hidden states: {int(self.done.sum())}/{len(self.done)} windows already in "
+                           f"{self.dir.parent}\n")
         t0 = time.time()
         for j, i in enumerate(todo):
             self._compute(int(i))
-            if j % 16 == 15 or j == len(todo) - 1:
-                self.h.flush()
-                self.done.flush()
-                if progress is not None:
-                    eta = (time.time() - t0) / (j + 1) * (len(todo) - j - 1)
-                    progress.write(f"\rtrunk hidden states: {len(self.done) - len(todo) + j + 1}/{len(self.done)} "
-                                   f"windows, eta {int(eta) // 60}:{int(eta) % 60:02d}   ")
-                    progress.flush()
+            if progress is not None and (j % 16 == 15 or j == len(todo) - 1):
+                eta = (time.time() - t0) / (j + 1) * (len(todo) - j - 1)
+                progress.write(f"\rtrunk hidden states: {len(self.done) - len(todo) + j + 1}/{len(self.done)} "
+                               f"windows, eta {int(eta) // 60}:{int(eta) % 60:02d}   ")
+                progress.flush()
         if progress is not None and len(todo):
             progress.write("\n")
 
     def get(self, i: int) -> torch.Tensor:
-        if not self.done[i]:
-            self._compute(i)
-        return torch.from_numpy(np.asarray(self.h[i], dtype=np.float32))
+        arr = None
+        if self.done[i]:
+            try:
+                arr = np.load(self.files[i])
+            except (OSError, ValueError):
+                arr = None  # unreadable (e.g. removed by hand): computed again
+        if arr is None or arr.shape != (len(self.windows[i]), self.trunk.cfg.d_model):
+            arr = self._compute(i)
+        return torch.from_numpy(arr.astype(np.float32))
 
 
 class Trainer:
     def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str,
-                 init: str | None = None):
+                 init: str | None = None, hidden_dir: Path | str | None = None):
         if not windows:
             raise MtpllmError("train-mtp: not enough text for one training window; add data or lower --seq-len")
         self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
@@ -373,7 +379,9 @@ class Trainer:
         self.head_w = (W[self.vocab.to(self.device)] if self.vocab is not None else W).contiguous()  # frozen, shared
         self.opt = torch.optim.AdamW([p for p in self.head.parameters()], lr=cfg.lr, weight_decay=0.0,
                                      betas=(0.9, 0.98))
-        self.hidden = HiddenCache(out.with_suffix(out.suffix + ".hidden.npy"), trunk, windows, self.device)
+        # the trunk's states: next to the output unless a shared folder is given
+        root = Path(hidden_dir) if hidden_dir is not None else out.with_suffix(out.suffix + ".hidden")
+        self.hidden = HiddenCache(root, trunk, windows, self.device)
         self.step = 0
         self.losses: list[float] = []
         self.order = list(range(len(windows)))
