@@ -66,7 +66,8 @@ def test_bench_real_prompt_sets_and_formats(bench_model, capsys):
 
 @pytest.mark.parametrize("spec,err", [("mtp:0", "1..16"), ("mtp:x", "not an integer"), ("eagle", "unknown method"),
                                       ("draft:", "expected draft:MODEL"), ("ngram:2+none", "a chain is two"),
-                                      ("ngram+mtp+ngram", "a chain is two")])
+                                      ("ngram+mtp+ngram", "a chain is two"), ("mtp:2@x", "not a number"),
+                                      ("mtp:2@1.5", "between 0 and 1"), ("mtp:2@0", "between 0 and 1")])
 def test_bad_spec_is_a_clear_error(spec, err):
     with pytest.raises(MtpllmError, match=err):
         parse_spec(spec)
@@ -80,6 +81,25 @@ def test_spec_parsing():
     assert parse_spec("draft:/x/y.gguf:4") == ("draft:y.gguf:4", "draft_model", 4, "/x/y.gguf")
     assert parse_spec("draft:qwen2.5-coder-0.5b") == ("draft:qwen2.5-coder-0.5b:3", "draft_model", 3,
                                                        "qwen2.5-coder-0.5b")
+    assert parse_spec("mtp:3@0.5") == ("mtp:3@0.5", "mtp", 3, None)
+    assert parse_spec("ngram:4+mtp:2@0.25") == ("ngram:4+mtp:2@0.25", "chain", 4, None)
+
+
+def test_bench_p_min_rows_count_undrafted_steps(bench_model, capsys):
+    """'@P' reaches the verifier: with a cut-off no draft of the tiny random head passes (its top
+    probability is far below 0.99), every step is a plain one, the output is the same tokens, and the
+    tokens per step (1.0) tell it where the mean acceptance length over drafted steps cannot."""
+    assert main(["bench", "-m", str(bench_model), "-p", "16", "-n", "6", "-r", "1", "--warmup", "0",
+                 "--spec", "mtp:2,mtp:2@0.99", "-o", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    _validate(rep)
+    plain, cut = rep["rows"]
+    assert cut["spec"] == "mtp:2@0.99" and cut["k"] == 2
+    assert plain["tokens_per_step"] == plain["mean_acceptance_length"] >= 1
+    assert cut["tokens_per_step"] == 1.0 and cut["per_position_acceptance"] == [] and cut["gen_tokens"] == 6
+    assert main(["bench", "-m", str(bench_model), "-p", "16", "-n", "6", "-r", "1", "--warmup", "0",
+                 "--spec", "mtp:2@0.99"]) == 0
+    assert "| mtp:2@0.99 |" in capsys.readouterr().out
 
 
 def test_bench_bad_input(bench_model, tmp_path, capsys):

@@ -32,6 +32,7 @@ ROW_SCHEMA = {
         "mean_acceptance_length": {"type": ["number", "null"], "minimum": 1},
         "per_position_acceptance": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
         "draft_ms_per_step": {"type": ["number", "null"], "minimum": 0},
+        "tokens_per_step": {"type": ["number", "null"], "minimum": 1},
         "peak_rss_mib": {"type": "number", "minimum": 0}, "load_ms": {"type": "number", "minimum": 0},
     },
 }
@@ -97,6 +98,9 @@ def to_markdown(rep: dict) -> str:
     for r in rep["rows"]:
         acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
         mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        tps = r.get("tokens_per_step")
+        if tps is not None and abs(tps - r["mean_acceptance_length"]) > 0.005:
+            mal += f" ({tps:.2f}/step)"  # a p-min cut-off left steps without a draft
         pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
         out.append(f"| {os.path.basename(r['model'])} | {r['threads']} | {_test_name(r)} | {r['spec']} | "
                    f"{_pm(r['prefill_tps'])} | {_pm(r['decode_tps'])} | {_pm(r['e2e_tps'])} | {acc} | {mal} | "
@@ -106,7 +110,9 @@ def to_markdown(rep: dict) -> str:
                    f"{row['prefill_tps']} | {row['decode_tps']} | - | - | - | - | - | - |")
     out.append("")
     out.append("prefill t/s: prompt tokens / prompt time; decode t/s: generated tokens / generation time; "
-               "e2e t/s: generated tokens / (prompt + generation time); mean ± sd over repeats, warm-up excluded.")
+               "e2e t/s: generated tokens / (prompt + generation time); mean ± sd over repeats, warm-up excluded; "
+               "mean acc. len: 1 + accepted / steps with a draft (in brackets, where a p-min cut-off left steps "
+               "without one: per step).")
     return "\n".join(out)
 
 

@@ -33,9 +33,25 @@ def _int_list(s: str) -> list[int]:
     return vals
 
 
+def split_p_min(s: str) -> tuple[str, float]:
+    """'mtp:3@0.5' -> ('mtp:3', 0.5): the draft stops at a token whose draft probability is below
+    0.5 (`--spec-draft-p-min`); no '@': 0 (every step drafts k tokens)."""
+    base, at, p = s.strip().rpartition("@")
+    if not at:
+        return s.strip(), 0.0
+    try:
+        p_min = float(p)
+    except ValueError:
+        raise MtpllmError(f"--spec {s}: draft p-min '{p}' is not a number") from None
+    if not 0.0 < p_min < 1.0:
+        raise MtpllmError(f"--spec {s}: draft p-min must be between 0 and 1, got {p}")
+    return base, p_min
+
+
 def parse_spec(s: str) -> tuple[str, str, int, str | None]:
-    """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]' -> (label, method, k, draft model);
-    'ngram[:k]+mtp[:k]' (a chain: lookup where it matches, MTP otherwise) -> method 'chain'."""
+    """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]', each optionally with '@P' (a draft
+    p-min) -> (label, method, k, draft model); 'ngram[:k]+mtp[:k]' (a chain: lookup where it
+    matches, MTP otherwise) -> method 'chain'."""
     s = s.strip()
     if "+" in s:
         parts = [parse_spec(p) for p in s.split("+")]
@@ -44,6 +60,10 @@ def parse_spec(s: str) -> tuple[str, str, int, str | None]:
         return "+".join(p[0] for p in parts), "chain", max(p[2] for p in parts), None
     if s in ("none", "off", ""):
         return "none", "none", 0, None
+    s, p_min = split_p_min(s)
+    if p_min:
+        label, method, k, draft = parse_spec(s)
+        return f"{label}@{p_min:g}", method, k, draft
     parts = s.split(":")
     kind = parts[0]
 
@@ -84,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=_int_list, default=None, help="threads, comma-separated")
     ap.add_argument("--spec", default="none",
                     help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k], "
-                         "or a chain ngram[:k]+mtp[:k] (lookup where it matches, MTP otherwise)")
+                         "or a chain ngram[:k]+mtp[:k] (lookup where it matches, MTP otherwise); '@P' after a "
+                         "method stops its drafts at a token of draft probability below P (e.g. mtp:3@0.5)")
     ap.add_argument("--prompts", default="synthetic",
                     help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
@@ -174,6 +195,8 @@ def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_
         "acceptance_rate": total.acceptance_rate if spec_on else None,
         "mean_acceptance_length": total.mean_acceptance_length if spec_on else None,
         "per_position_acceptance": total.per_position_acceptance if spec_on else [],
+        # tokens per target forward, steps left undrafted by a p-min cut-off included
+        "tokens_per_step": total.tokens_per_step if spec_on else None,
         "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
         "peak_rss_mib": _peak_rss_mib(),
     }
@@ -269,6 +292,8 @@ def main(argv: list[str]) -> int:
                 first, _, rest = text.partition("+")
                 _, method, k, draft = parse_spec(first)
                 return SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
+                                  # one cut-off for a whole chain (its verifier's; lookup drafts ignore it)
+                                  p_min=max(split_p_min(x)[1] for x in text.split("+")),
                                   mtp_head=a.mtp_head if method == "mtp" else None,
                                   fallback=config(rest) if rest else None)
             for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):

@@ -27,6 +27,7 @@ from ..runtime.sampling import Sampler
 class SpecStats:
     """vLLM-style speculative metrics for one generation."""
     num_drafts: int = 0  # verification steps that checked at least one draft token
+    num_steps: int = 0  # every target forward after the prefill, with or without drafts (a p-min cut-off)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)
@@ -50,7 +51,14 @@ class SpecStats:
         """Fraction of steps that drafted position i whose draft i was accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per target forward, the steps without a draft included: the speed-up's
+        upper bound. Equal to the mean acceptance length unless a p-min cut-off left steps undrafted."""
+        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 1.0
+
     def record(self, n_drafted: int, n_accepted: int, member: str | None = None) -> None:
+        self.num_steps += 1
         if n_drafted == 0:
             return
         if member is not None:
@@ -72,6 +80,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another generation's counts to these (pooled statistics over several requests)."""
         self.num_drafts += other.num_drafts
+        self.num_steps += other.num_steps
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.draft_ms += other.draft_ms
@@ -91,6 +100,7 @@ class SpecStats:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
+                "num_steps": self.num_steps, "tokens_per_step": self.tokens_per_step,
                 "per_position_acceptance": self.per_position_acceptance,
                 "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
                 **({"members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v))
