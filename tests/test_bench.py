@@ -83,6 +83,10 @@ def test_spec_parsing():
                                                        "qwen2.5-coder-0.5b")
     assert parse_spec("mtp:3@0.5") == ("mtp:3@0.5", "mtp", 3, None)
     assert parse_spec("ngram:4+mtp:2@0.25") == ("ngram:4+mtp:2@0.25", "chain", 4, None)
+    # an '@' in a draft model's path is not a cut-off; one after the path still is
+    assert parse_spec("draft:/srv/u@h/m.gguf:4") == ("draft:m.gguf:4", "draft_model", 4, "/srv/u@h/m.gguf")
+    assert parse_spec("draft:/x/m@v2.gguf") == ("draft:m@v2.gguf:3", "draft_model", 3, "/x/m@v2.gguf")
+    assert parse_spec("draft:/srv/u@h/m.gguf:4@0.5") == ("draft:m.gguf:4@0.5", "draft_model", 4, "/srv/u@h/m.gguf")
 
 
 def test_bench_p_min_rows_count_undrafted_steps(bench_model, capsys):

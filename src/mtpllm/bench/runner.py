@@ -35,9 +35,11 @@ def _int_list(s: str) -> list[int]:
 
 def split_p_min(s: str) -> tuple[str, float]:
     """'mtp:3@0.5' -> ('mtp:3', 0.5): the draft stops at a token whose draft probability is below
-    0.5 (`--spec-draft-p-min`); no '@': 0 (every step drafts k tokens)."""
+    0.5 (`--spec-draft-p-min`); no '@': 0 (every step drafts k tokens). An '@' inside a draft
+    model's path ('draft:/srv/user@host/m.gguf:4', 'draft:m@v2.gguf') is part of the path: what
+    follows the last '@' is a cut-off only if it names no folder and no .gguf file."""
     base, at, p = s.strip().rpartition("@")
-    if not at:
+    if not at or "/" in p or os.sep in p or ".gguf" in p.lower():
         return s.strip(), 0.0
     try:
         p_min = float(p)
