@@ -157,6 +157,64 @@ PROSE_2 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_2]
            + [f"Write a letter {x}." for x in LETTERS])
 
 
+# a fourth set (`--more-prose 2`); none of these is one of the benchmark's held-out prose prompts
+STORY_SUBJECTS_3 = [
+    "a baker who bakes bread for a whole mountain village", "a girl who finds a key that opens any door",
+    "a lighthouse cat who guards the lamp", "a boy who collects sounds in glass jars",
+    "an old woman who talks to the river every morning", "a clown who forgets how to laugh",
+    "a young doctor in a village with no roads", "a bear who runs a library in the woods",
+    "a pair of shoes that walk on their own at night", "a student who fails an exam and tries again",
+    "a bus driver who knows every passenger's name", "a sculptor who carves a statue from ice",
+    "a mapmaker's daughter who sails around the world", "a hedgehog who wants to hug",
+    "a town where the clocks stopped at noon", "a rescue dog in the Alps",
+    "a fisherman who catches a talking fish", "a girl who plants a garden on a rooftop",
+    "a grandfather who builds a boat in his garage", "a robot who wants to become a chef",
+    "a poet who loses all his words", "a tailor who sews dreams into coats",
+    "a schoolteacher who finds a dragon egg", "a lonely giant who builds a village for small people",
+    "a detective cat who finds lost socks", "a nurse who sings to her patients",
+    "a balloon seller on a windy day", "a boy who is afraid of the dark and makes friends with it",
+    "a baker and a blacksmith who trade jobs for a day", "a star that falls into a farmer's field",
+]
+EXPLAIN_TOPICS_3 = [
+    "a washing machine cleans clothes", "a touch screen knows where you touch it", "a parachute slows a fall",
+    "an umbrella keeps you dry in the wind", "a pressure cooker cooks food faster", "a smoke detector works",
+    "a barcode scanner reads prices", "a hot air balloon rises", "chocolate is made from cocoa beans",
+    "a new medicine is tested before it is used", "a pencil is made", "a museum decides what to show",
+    "a seed becomes a tree", "a glacier moves", "a ship stays afloat", "a doorbell rings",
+    "a weather forecast is made", "olive oil is pressed from olives", "a subway system is planned",
+    "a violin makes sound", "firefighters put out a forest fire", "a courtroom trial works",
+    "a city gets its drinking water", "a jet engine pushes a plane forward", "a piano makes music",
+    "a zoo cares for its animals", "an ambulance team prepares for an emergency", "sugar is made from sugar cane",
+    "a cow turns grass into milk", "a supermarket keeps its shelves full",
+]
+EXPLAIN_WHY = [
+    "ice floats on water", "the sea has waves", "cats purr", "onions make people cry", "bread goes stale",
+    "the sun sets in the west", "people get hiccups", "stars twinkle at night", "the desert is cold at night",
+    "metal feels colder than wood", "we dream", "some people are left-handed", "birds sing in the morning",
+    "hair turns grey", "the Earth has a magnetic field", "apples turn brown after they are cut",
+    "we get goosebumps", "most plants are green", "it is hard to walk on sand", "thunder comes after lightning",
+]
+ESSAYS = [
+    "on why reading books matters", "on the value of friendship", "about the best day of your life",
+    "on why cities need parks", "about learning from mistakes", "on the importance of clean water",
+    "about a hero from history", "on why music brings people together", "about the joy of cooking for others",
+    "on why we should protect forests", "about growing up in a small town", "on the meaning of courage",
+    "about what makes a good teacher", "on travelling by train", "about a lesson learned from a grandparent",
+]
+PLACES = [
+    "a bakery early in the morning", "a beach in winter", "a busy airport at midnight", "a farm during harvest",
+    "a carnival at night", "a garden after the rain", "a castle on a hill", "a bus stop in the rain",
+    "a mountain hut in a storm", "a river market in the afternoon", "an empty theatre after the show",
+    "a rooftop on a summer evening", "a ferry crossing a grey sea", "a village square on market day",
+    "a classroom on the first day of school",
+]
+PROSE_3 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_3]
+           + [f"Write a bedtime story about {s}." for s in STORY_SUBJECTS_3]
+           + [f"Explain how {t}." for t in EXPLAIN_TOPICS_3]
+           + [f"Explain why {t}." for t in EXPLAIN_WHY]
+           + [f"Write a short essay {e}." for e in ESSAYS]
+           + [f"Describe {p}, as in a novel." for p in PLACES])
+
 def stdlib_prompts(root: Path, limit: int, seed: int) -> list[str]:
     """HumanEval-style prompts: public functions with a docstring (module level, in the standard
     library and its packages, tests excluded), body removed."""
@@ -187,8 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", required=True, help="registry name or GGUF file")
     ap.add_argument("--stdlib", required=True, help="directory of Python sources for code prompts")
     ap.add_argument("--code", type=int, default=240, help="number of code prompts")
-    ap.add_argument("--more-prose", action="store_true",
-                    help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, letters)")
+    ap.add_argument("--more-prose", type=int, nargs="?", const=1, default=0, choices=[0, 1, 2], metavar="N",
+                    help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, "
+                         f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8,
@@ -204,7 +263,7 @@ def main(argv=None) -> int:
     eng = Engine.load(a.model, n_ctx=2048, threads=a.threads)
     spec = SpecConfig("ngram", 3).build(eng)
 
-    prompts = PROSE + MORE_PROSE + (PROSE_2 if a.more_prose else []) + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
+    prompts = PROSE + MORE_PROSE + (PROSE_2 if a.more_prose >= 1 else []) + (PROSE_3 if a.more_prose >= 2 else []) + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
     random.Random(a.seed).shuffle(prompts)  # prose and code interleaved: a partial run has both
     out = Path(a.out)
     done = set()

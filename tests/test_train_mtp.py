@@ -375,3 +375,36 @@ def test_training_on_cuda(tiny_dir):
     out = cpu.generate(prompt_ids=windows[0][:20], params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        speculative=SpecConfig("mtp", 2, mtp_head=str(path)).build(cpu))
     assert len(out.tokens) == 8
+
+
+def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir):
+    """scripts/self_answers.py (the training text of the shipped heads): code prompts are signatures
+    and docstrings of the given sources' public functions with their bodies removed; every prompt
+    set is asked once, each answer is written as the whole rendered conversation, and a rerun asks
+    only what is not in the output yet."""
+    import json
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import self_answers as sa
+    model = make_tiny(tiny_dir / "answers-trunk.gguf", "qwen2", seed=9, ctx=512)
+    src = tiny_dir / "stdlib"
+    src.mkdir(exist_ok=True)
+    (src / "m.py").write_text(
+        "def public(a, b):\n    '''Return the sum of a and b, computed the long way round for the test.'''\n"
+        "    return a + b\n\n"
+        "def _private(x):\n    '''A private helper that is never a prompt, whatever its docstring says.'''\n\n"
+        "def short(x):\n    'too short'\n")
+    (src / "tests").mkdir(exist_ok=True)
+    (src / "tests" / "t.py").write_text("def in_tests(x):\n    '''A test function, excluded: tests are not prompts.'''\n")
+    assert sa.stdlib_prompts(src, 10, 0) == [
+        "def public(a, b):\n    \"\"\"Return the sum of a and b, computed the long way round for the test.\"\"\"\n"]
+    out = tiny_dir / "answers.jsonl"
+    args = ["-m", str(model), "--stdlib", str(src), "--code", "5", "-n", "2", "--batch", "8", "-o", str(out), "--threads", "1"]
+    assert sa.main(args + ["--more-prose", "2"]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    want = sa.PROSE + sa.MORE_PROSE + sa.PROSE_2 + sa.PROSE_3 + sa.stdlib_prompts(src, 5, 0)
+    assert sorted(r["prompt"] for r in recs) == sorted(want) and len(set(want)) == len(want)
+    assert all(r["prompt"] in r["text"] and "<|im_start|>" in r["text"] for r in recs)
+    assert sa.main(args + ["--more-prose", "2"]) == 0 and len(out.read_text().splitlines()) == len(recs)
+    with pytest.raises(SystemExit):
+        sa.main(args + ["--more-prose", "3"])
