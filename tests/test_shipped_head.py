@@ -16,7 +16,7 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
-# 2.005 when trained (642 of 1917 drafted tokens over 639 drafts), the same on every run here (greedy,
+# 2.04 when trained (651 of 1875 drafted tokens over 625 drafts), the same on every run here (greedy,
 # and the kernels give the same bits on AVX2 and AVX-512 VNNI). The bar is the issue's: above 2.0.
 SHIPPED_MIN_MEAN_ACCEPTANCE = 2.0
 
@@ -56,9 +56,9 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.79 when trained
-# (553 of 2091 drafted tokens over 697 drafts; the same bits on every run here, like the 0.5B's).
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.75
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.84 when trained
+# (571 of 2037 drafted tokens over 679 drafts; the same bits on every run here, like the 0.5B's).
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.8
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
