@@ -214,6 +214,7 @@ PROSE_3 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_3]
            + [f"Explain why {t}." for t in EXPLAIN_WHY]
            + [f"Write a short essay {e}." for e in ESSAYS]
            + [f"Describe {p}, as in a novel." for p in PLACES])
+EXTRA_PROSE = [PROSE_2, PROSE_3]  # `--more-prose N` asks the first N of these
 
 def stdlib_prompts(root: Path, limit: int, seed: int) -> list[str]:
     """HumanEval-style prompts: public functions with a docstring (module level, in the standard
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", required=True, help="registry name or GGUF file")
     ap.add_argument("--stdlib", required=True, help="directory of Python sources for code prompts")
     ap.add_argument("--code", type=int, default=240, help="number of code prompts")
-    ap.add_argument("--more-prose", type=int, nargs="?", const=1, default=0, choices=[0, 1, 2], metavar="N",
+    ap.add_argument("--more-prose", type=int, nargs="?", const=1, default=0, choices=range(len(EXTRA_PROSE) + 1), metavar="N",
                     help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, "
                          f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
     eng = Engine.load(a.model, n_ctx=2048, threads=a.threads)
     spec = SpecConfig("ngram", 3).build(eng)
 
-    prompts = PROSE + MORE_PROSE + (PROSE_2 if a.more_prose >= 1 else []) + (PROSE_3 if a.more_prose >= 2 else []) + stdlib_prompts(Path(a.stdlib), a.code, a.seed)
+    prompts = (PROSE + MORE_PROSE + [p for extra in EXTRA_PROSE[:a.more_prose] for p in extra]
+               + stdlib_prompts(Path(a.stdlib), a.code, a.seed))
     random.Random(a.seed).shuffle(prompts)  # prose and code interleaved: a partial run has both
     out = Path(a.out)
     done = set()

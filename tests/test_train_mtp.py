@@ -377,14 +377,14 @@ def test_training_on_cuda(tiny_dir):
     assert len(out.tokens) == 8
 
 
-def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir):
+def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeypatch):
     """scripts/self_answers.py (the training text of the shipped heads): code prompts are signatures
     and docstrings of the given sources' public functions with their bodies removed; every prompt
     set is asked once, each answer is written as the whole rendered conversation, and a rerun asks
     only what is not in the output yet."""
     import json
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "scripts"))
     import self_answers as sa
     model = make_tiny(tiny_dir / "answers-trunk.gguf", "qwen2", seed=9, ctx=512)
     src = tiny_dir / "stdlib"
