@@ -83,6 +83,11 @@ def test_spec_parsing():
                                                        "qwen2.5-coder-0.5b")
     assert parse_spec("mtp:3@0.5") == ("mtp:3@0.5", "mtp", 3, None)
     assert parse_spec("ngram:4+mtp:2@0.25") == ("ngram:4+mtp:2@0.25", "chain", 4, None)
+    assert parse_spec("mtp:3@c0.3") == ("mtp:3@c0.3", "mtp", 3, None)
+    assert parse_spec("ngram:4+mtp:3@c0.25") == ("ngram:4+mtp:3@c0.25", "chain", 4, None)
+    for bad, msg in (("mtp:3@c1.5", "between 0 and 1"), ("mtp:3@cx", "not a number")):
+        with pytest.raises(MtpllmError, match=msg):
+            parse_spec(bad)
     # an '@' in a draft model's path is not a cut-off; one after the path still is
     assert parse_spec("draft:/srv/u@h/m.gguf:4") == ("draft:m.gguf:4", "draft_model", 4, "/srv/u@h/m.gguf")
     assert parse_spec("draft:/x/m@v2.gguf") == ("draft:m@v2.gguf:3", "draft_model", 3, "/x/m@v2.gguf")
@@ -94,13 +99,14 @@ def test_bench_p_min_rows_count_undrafted_steps(bench_model, capsys):
     probability is far below 0.99), every step is a plain one, the output is the same tokens, and the
     tokens per step (1.0) tell it where the mean acceptance length over drafted steps cannot."""
     assert main(["bench", "-m", str(bench_model), "-p", "16", "-n", "6", "-r", "1", "--warmup", "0",
-                 "--spec", "mtp:2,mtp:2@0.99", "-o", "json"]) == 0
+                 "--spec", "mtp:2,mtp:2@0.99,mtp:2@c0.99", "-o", "json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     _validate(rep)
-    plain, cut = rep["rows"]
-    assert cut["spec"] == "mtp:2@0.99" and cut["k"] == 2
+    plain, cut, cum = rep["rows"]
+    assert cut["spec"] == "mtp:2@0.99" and cut["k"] == 2 and cum["spec"] == "mtp:2@c0.99"
     assert plain["tokens_per_step"] == plain["mean_acceptance_length"] >= 1
-    assert cut["tokens_per_step"] == 1.0 and cut["per_position_acceptance"] == [] and cut["gen_tokens"] == 6
+    for r in (cut, cum):
+        assert r["tokens_per_step"] == 1.0 and r["per_position_acceptance"] == [] and r["gen_tokens"] == 6
     assert main(["bench", "-m", str(bench_model), "-p", "16", "-n", "6", "-r", "1", "--warmup", "0",
                  "--spec", "mtp:2@0.99"]) == 0
     assert "| mtp:2@0.99 |" in capsys.readouterr().out

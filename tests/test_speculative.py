@@ -295,6 +295,46 @@ def test_p_min_stops_drafting(target):
     assert out.stats.num_draft_tokens < len(out.tokens)
 
 
+
+def test_cumulative_p_min_cuts_on_the_product_of_draft_probabilities(target):
+    """From one state: every cut-off's drafts are a prefix of the uncut ones; a higher threshold never
+    drafts more; the cumulative cut-off (product of the step's draft probabilities) never drafts more
+    than the per-token one at the same threshold, and strictly fewer for some (the product of two
+    probabilities falls below a threshold that each of them passes)."""
+    from mtpllm.runtime.sampling import Sampler
+    ids = target.tokenizer.encode(PROMPT)
+    spec = SpecConfig("mtp", 4).build(target)
+    prop = spec.proposer
+
+    def drafts(p_min=0.0, p_cum=0.0):
+        cache = target.model.make_cache(64)
+        prop.begin(target, ids[:-1], target.model(torch.tensor(ids[:-1]), cache), 0)
+        return prop.propose(list(ids), 4, Sampler(SamplingParams(temperature=0)), p_min, p_cum)[0]
+
+    full = drafts()
+    assert len(full) == 4
+    grid = [10 ** (-e / 4) for e in range(40, 0, -1)]  # 1e-10 .. 0.56
+    n_tok, n_cum = [], []
+    for t in grid:
+        a, b = drafts(p_min=t), drafts(p_cum=t)
+        assert a == full[:len(a)] and b == full[:len(b)]
+        assert len(b) <= len(a)
+        n_tok.append(len(a))
+        n_cum.append(len(b))
+    assert n_cum == sorted(n_cum, reverse=True) and n_tok == sorted(n_tok, reverse=True)
+    assert n_cum[0] == 4 and n_cum[-1] == 0
+    assert any(b < a for a, b in zip(n_tok, n_cum))
+
+
+def test_cumulative_p_min_keeps_greedy_identity(target):
+    ref = _plain(target, GREEDY)
+    for cfg in (SpecConfig(method="mtp", num_speculative_tokens=4, p_cum=0.01),
+                parse_speculative_json('{"method":"mtp","num_speculative_tokens":3,"draft_p_cumulative":0.001}')):
+        out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+        assert out.tokens == ref.tokens
+    with pytest.raises(MtpllmError, match="cumulative p-min"):
+        SpecConfig(method="mtp", p_cum=1.5)
+
 # ------------------------------------------------------------------ chains (n-gram first, MTP otherwise)
 @pytest.mark.parametrize("k_ngram,k_mtp,lookup_min", [(3, 1, None), (4, 2, 1), (1, 3, 1)])
 def test_chain_ngram_then_mtp_keeps_greedy_identity(target, k_ngram, k_mtp, lookup_min):
@@ -333,6 +373,8 @@ def test_chain_configuration(target):
                                         "--spec-fallback-n-max", "1"]))
     assert (cfg.method, cfg.num_speculative_tokens, cfg.fallback.method, cfg.fallback.num_speculative_tokens) == \
         ("ngram", 4, "mtp", 1)
+    cum = spec_from_args(ap.parse_args(["--spec-type", "ngram-simple,draft-mtp", "--spec-draft-p-cum", "0.3"]))
+    assert cum.p_cum == cum.fallback.p_cum == 0.3 and cum.p_min == cum.fallback.p_min == 0.0
     js = parse_speculative_json('{"method":"ngram","num_speculative_tokens":4,'
                                 '"fallback":{"method":"mtp","num_speculative_tokens":1}}')
     assert js.label() == "ngram:4+mtp:1"
@@ -341,7 +383,9 @@ def test_chain_configuration(target):
                       (["--spec-type", "ngram-simple,draft-mtp,draft-simple"], "two types at most"),
                       (["--spec-type", "draft-mtp", "--spec-fallback-n-max", "2"], "needs a chain"),
                       (["--spec-type", "ngram-simple", "--spec-mtp-head", "x.gguf"], "is for draft-mtp"),
-                      (["--spec-type", "ngram-simple,draft-mtp", "--spec-fallback-n-max", "0"], "num_speculative_tokens")]:
+                      (["--spec-type", "ngram-simple,draft-mtp", "--spec-fallback-n-max", "0"], "num_speculative_tokens"),
+                      (["--spec-type", "draft-mtp", "--spec-draft-p-cum", "1.5"], "cumulative p-min"),
+                      (["--spec-draft-p-cum", "0.3"], "without a method")]:
         with pytest.raises(MtpllmError, match=msg):
             spec_from_args(ap.parse_args(args))
     # lookup in a chain needs a 3-token match unless told otherwise; alone it takes 1 (vLLM's default)

@@ -33,26 +33,29 @@ def _int_list(s: str) -> list[int]:
     return vals
 
 
-def split_p_min(s: str) -> tuple[str, float]:
-    """'mtp:3@0.5' -> ('mtp:3', 0.5): the draft stops at a token whose draft probability is below
-    0.5 (`--spec-draft-p-min`); no '@': 0 (every step drafts k tokens). An '@' inside a draft
-    model's path ('draft:/srv/user@host/m.gguf:4', 'draft:m@v2.gguf') is part of the path: what
-    follows the last '@' is a cut-off only if it names no folder and no .gguf file."""
+def split_cutoff(s: str) -> tuple[str, float, float]:
+    """'mtp:3@0.5' -> ('mtp:3', 0.5, 0.0): the draft stops at a token whose draft probability is
+    below 0.5 (`--spec-draft-p-min`); 'mtp:3@c0.3' -> ('mtp:3', 0.0, 0.3): it stops when the product
+    of the step's draft probabilities falls below 0.3 (`--spec-draft-p-cum`); no '@': no cut-off.
+    An '@' inside a draft model's path ('draft:/srv/user@host/m.gguf:4', 'draft:m@v2.gguf') is part
+    of the path: what follows the last '@' is a cut-off only if it names no folder and no .gguf file."""
     base, at, p = s.strip().rpartition("@")
     if not at or "/" in p or os.sep in p or ".gguf" in p.lower():
-        return s.strip(), 0.0
+        return s.strip(), 0.0, 0.0
+    cumulative = p[:1] in ("c", "C")
     try:
-        p_min = float(p)
+        v = float(p[1:] if cumulative else p)
     except ValueError:
-        raise MtpllmError(f"--spec {s}: draft p-min '{p}' is not a number") from None
-    if not 0.0 < p_min < 1.0:
+        raise MtpllmError(f"--spec {s}: draft p-min '{p}' is not a number (e.g. @0.5, or @c0.3 for the "
+                          f"cumulative cut-off)") from None
+    if not 0.0 < v < 1.0:
         raise MtpllmError(f"--spec {s}: draft p-min must be between 0 and 1, got {p}")
-    return base, p_min
+    return (base, 0.0, v) if cumulative else (base, v, 0.0)
 
 
 def parse_spec(s: str) -> tuple[str, str, int, str | None]:
     """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]', each optionally with '@P' (a draft
-    p-min) -> (label, method, k, draft model); 'ngram[:k]+mtp[:k]' (a chain: lookup where it
+    p-min) or '@cP' (a cumulative one) -> (label, method, k, draft model); 'ngram[:k]+mtp[:k]' (a chain: lookup where it
     matches, MTP otherwise) -> method 'chain'."""
     s = s.strip()
     if "+" in s:
@@ -62,10 +65,10 @@ def parse_spec(s: str) -> tuple[str, str, int, str | None]:
         return "+".join(p[0] for p in parts), "chain", max(p[2] for p in parts), None
     if s in ("none", "off", ""):
         return "none", "none", 0, None
-    s, p_min = split_p_min(s)
-    if p_min:
+    s, p_min, p_cum = split_cutoff(s)
+    if p_min or p_cum:
         label, method, k, draft = parse_spec(s)
-        return f"{label}@{p_min:g}", method, k, draft
+        return (f"{label}@{p_min:g}" if p_min else f"{label}@c{p_cum:g}"), method, k, draft
     parts = s.split(":")
     kind = parts[0]
 
@@ -107,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec", default="none",
                     help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k], "
                          "or a chain ngram[:k]+mtp[:k] (lookup where it matches, MTP otherwise); '@P' after a "
-                         "method stops its drafts at a token of draft probability below P (e.g. mtp:3@0.5)")
+                         "method stops its drafts at a token of draft probability below P (e.g. mtp:3@0.5), '@cP' when "
+                         "the product of the step's draft probabilities falls below P (e.g. mtp:3@c0.3)")
     ap.add_argument("--prompts", default="synthetic",
                     help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
@@ -295,7 +299,8 @@ def main(argv: list[str]) -> int:
                 _, method, k, draft = parse_spec(first)
                 return SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
                                   # one cut-off for a whole chain (its verifier's; lookup drafts ignore it)
-                                  p_min=max(split_p_min(x)[1] for x in text.split("+")),
+                                  p_min=max(split_cutoff(x)[1] for x in text.split("+")),
+                                  p_cum=max(split_cutoff(x)[2] for x in text.split("+")),
                                   mtp_head=a.mtp_head if method == "mtp" else None,
                                   fallback=config(rest) if rest else None)
             for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):

@@ -30,9 +30,9 @@ class ChainProposer:
         for p in self.proposers:
             p.begin(engine, prompt, prompt_hidden, start)
 
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0):
+    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         for i, (p, kp) in enumerate(zip(self.proposers, self.ks)):
-            drafts, qs = p.propose(history, min(k, kp), sampler, p_min)
+            drafts, qs = p.propose(history, min(k, kp), sampler, p_min, p_cum)
             if drafts:
                 self.last = self.names[i]
                 return drafts, qs

@@ -19,6 +19,10 @@ class SpecConfig:
     num_speculative_tokens: int = 3
     min_speculative_tokens: int = 1
     p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
+    # stop drafting when the product of the step's draft probabilities so far falls below this: the
+    # head's estimate that the draft is still on the target's path (worth a verification row only
+    # while above the row's cost relative to a step)
+    p_cum: float = 0.0
     draft_model: str | None = None
     # head-only `mtp-*.gguf` file, or Hugging Face safetensors (a .safetensors file or a model directory);
     # default: MTP layers in the model file, or a shipped head
@@ -47,6 +51,8 @@ class SpecConfig:
             raise MtpllmError(f"minimum draft length must be an integer in 1..{k}, got {kmin!r}")
         if not isinstance(self.p_min, (int, float)) or not 0.0 <= self.p_min < 1.0:
             raise MtpllmError(f"draft p-min must be in [0, 1), got {self.p_min!r}")
+        if not isinstance(self.p_cum, (int, float)) or isinstance(self.p_cum, bool) or not 0.0 <= self.p_cum < 1.0:
+            raise MtpllmError(f"draft cumulative p-min must be in [0, 1), got {self.p_cum!r}")
         if m == "draft_model" and not self.draft_model:
             raise MtpllmError("method draft_model needs a draft model: \"model\": NAME_OR_PATH (or -md FILE)")
         lo, hi = (1 if self.prompt_lookup_min is None else self.prompt_lookup_min), self.prompt_lookup_max
@@ -97,7 +103,7 @@ class SpecConfig:
 
 
 _JSON_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-              "draft_p_min", "min_speculative_tokens", "adaptive", "mtp_head", "fallback"}
+              "draft_p_min", "draft_p_cumulative", "min_speculative_tokens", "adaptive", "mtp_head", "fallback"}
 
 
 def parse_speculative_json(text: str) -> SpecConfig:
@@ -123,6 +129,7 @@ def _spec_from_dict(d) -> SpecConfig:
     return SpecConfig(
         method=d["method"], num_speculative_tokens=d.get("num_speculative_tokens", 3),
         min_speculative_tokens=d.get("min_speculative_tokens", 1), p_min=d.get("draft_p_min", 0.0),
+        p_cum=d.get("draft_p_cumulative", 0.0),
         draft_model=d.get("model"), mtp_head=d.get("mtp_head"),
         prompt_lookup_min=d.get("prompt_lookup_min"), prompt_lookup_max=d.get("prompt_lookup_max", 4),
         adaptive=bool(d.get("adaptive", False)),
@@ -142,6 +149,9 @@ def add_spec_args(ap: argparse.ArgumentParser) -> None:
                    help="max draft tokens of the second type of a chain (default: --spec-draft-n-max)")
     g.add_argument("--spec-draft-p-min", type=float, default=None,
                    help="stop drafting when the draft's top probability is below this (default 0)")
+    g.add_argument("--spec-draft-p-cum", type=float, default=None, metavar="P",
+                   help="stop drafting when the product of the step's draft probabilities is below this "
+                        "(default 0; e.g. 0.3 where a verification row costs ~a quarter of a step)")
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model", default=None,
                    help="draft model for draft-simple (registry name or GGUF path)")
     g.add_argument("--spec-mtp-head", default=None,
@@ -180,7 +190,7 @@ def spec_from_args(a) -> SpecConfig | None:
     elif cfg is None and a.spec_draft_model:
         cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
     if cfg is None:
-        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_mtp_head, a.spec_fallback_n_max]
+        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_draft_p_cum, a.spec_mtp_head, a.spec_fallback_n_max]
         if any(f is not None for f in flags) or a.spec_adaptive:
             raise MtpllmError("speculative options given without a method: add --spec-type or --speculative")
         return None
@@ -196,6 +206,8 @@ def spec_from_args(a) -> SpecConfig | None:
         cfg.min_speculative_tokens = a.spec_draft_n_min
     if a.spec_draft_p_min is not None:
         cfg.p_min = a.spec_draft_p_min
+    if a.spec_draft_p_cum is not None:
+        cfg.p_cum = a.spec_draft_p_cum
     if a.spec_mtp_head and "mtp" not in (cfg.method, cfg.fallback.method if cfg.fallback else None):
         raise MtpllmError("--spec-mtp-head is for draft-mtp: add it to --spec-type")
     for c in (cfg, cfg.fallback):
@@ -205,7 +217,7 @@ def spec_from_args(a) -> SpecConfig | None:
             c.draft_model = a.spec_draft_model
         if a.spec_mtp_head and c.method == "mtp":
             c.mtp_head = a.spec_mtp_head
-        c.p_min = cfg.p_min
+        c.p_min, c.p_cum = cfg.p_min, cfg.p_cum
     if a.spec_ngram_min is not None:
         cfg.prompt_lookup_min = a.spec_ngram_min
     if a.spec_ngram_max is not None:

@@ -66,7 +66,7 @@ class DraftModelProposer:
     def begin(self, engine, prompt, prompt_hidden, start) -> None:
         self._sync(list(prompt))  # draft prefill counts as prompt time
 
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0):
+    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         k = min(k, self.cache.max_len - len(history))
         if k <= 0:
             return [], []
@@ -74,9 +74,11 @@ class DraftModelProposer:
         base = self.cache.length
         drafts, qs = [], []
         hist = list(history)
+        cum = 1.0
         for i in range(k):
-            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, p_min)
-            if top < p_min:
+            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, max(p_min, p_cum))
+            cum *= top
+            if top < p_min or cum < p_cum:
                 break
             drafts.append(d)
             qs.append(q)

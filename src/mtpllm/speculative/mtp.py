@@ -207,7 +207,7 @@ class MTPProposer:
         self.pending_start = start + n
 
     @torch.inference_mode()
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0):
+    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
         c = self.cache.length
         assert c == self.pending_start, "MTP cache out of step with the trunk"
@@ -222,6 +222,7 @@ class MTPProposer:
         drafts, qs = [], []
         hist = list(history)
         g_last = g[-1:]
+        cut, cum = max(p_min, p_cum), 1.0  # top probabilities are computed only for a cut-off
         for i in range(k):
             logits = self.lm_head(g_last)[0]
             if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
@@ -229,13 +230,14 @@ class MTPProposer:
                 # -inf (probability 0), so argmax and top probability are those of the full vector
                 j = int(logits.argmax())
                 d, q = int(self.vocab[j]), None
-                top = float(torch.softmax(logits, -1)[j]) if p_min > 0 else 1.0
+                top = float(torch.softmax(logits, -1)[j]) if cut > 0 else 1.0
             else:
                 if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
                     logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
                                         device=logits.device).index_copy_(0, self.vocab, logits)
-                d, q, top = draft_token(logits, sampler, hist, p_min)
-            if top < p_min:
+                d, q, top = draft_token(logits, sampler, hist, cut)
+            cum *= top
+            if top < p_min or cum < p_cum:
                 break
             drafts.append(d)
             qs.append(q)

@@ -15,7 +15,7 @@ class NgramProposer:
     def begin(self, engine, prompt, prompt_hidden, start) -> None:
         pass
 
-    def propose(self, history: list[int], k: int, sampler=None, p_min: float = 0.0):
+    def propose(self, history: list[int], k: int, sampler=None, p_min: float = 0.0, p_cum: float = 0.0):
         arr = np.asarray(history, dtype=np.int64)
         L = len(arr)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):

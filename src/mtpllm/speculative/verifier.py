@@ -207,7 +207,7 @@ class SpeculativeDecoder:
             if room < 0:
                 return
             t0 = time.perf_counter()
-            drafts, qs = prop.propose(history, min(k, room), draft_sampler, cfg.p_min) if room > 0 else ([], [])
+            drafts, qs = prop.propose(history, min(k, room), draft_sampler, cfg.p_min, cfg.p_cum) if room > 0 else ([], [])
             t1 = time.perf_counter()
             inp = torch.tensor([x0] + drafts, dtype=torch.long, device=engine.device)
             hidden = model(inp, cache)  # [1+len(drafts), D]
