@@ -4,7 +4,8 @@ Prompts are HumanEval-style (a Python signature and docstring) taken from functi
 standard library, plus hand-written prose requests (none of them the benchmark's held-out prose
 prompts). Answers are the engine's own greedy decoding of the model (batches of requests decoded
 together, `Engine.generate_batch`, ~4x the tokens per second of one at a time here), and each conversation is written, rendered with the model's chat
-template, as one {"text": ...} line of a .jsonl file that `mtpllm train-mtp --data` reads.
+template, as one {"text": ...} line of a .jsonl file that `mtpllm train-mtp --data` reads, with
+its exact token ids ("ids", the first "n_prompt" of them the prompt's).
 
     python scripts/self_answers.py -m qwen2.5-coder-0.5b --stdlib /usr/lib/python3.11 -n 256 -o answers.jsonl
 
@@ -256,7 +257,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--skip", nargs="*", default=[], help="earlier output files: their prompts are not asked again")
+    ap.add_argument("--states", action="store_true",
+                    help="also keep the model's hidden state of every token (from the same decoding, batches only) "
+                         "in OUT.states/, where `mtpllm train-mtp --data OUT` finds them instead of computing them")
     a = ap.parse_args(argv)
+    if a.states and a.batch == 1:
+        ap.error("--states needs --batch 2 or more (the states come from Engine.generate_batch)")
 
     from mtpllm.runtime.engine import Engine
     from mtpllm.runtime.sampling import SamplingParams
@@ -274,6 +280,10 @@ def main(argv=None) -> int:
             done |= {json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()}
     todo = [p for p in prompts if p not in done]
     print(f"{len(prompts)} prompts, {len(todo)} to do", flush=True)
+    states_dir = None
+    if a.states:
+        from mtpllm.train.mtp import RecordStates
+        states_dir = RecordStates.create(out, eng.model)
     t0, n_tok = time.time(), 0
     params = SamplingParams(temperature=0, max_tokens=a.max_new)
     with out.open("a", encoding="utf-8") as fh:
@@ -283,11 +293,15 @@ def main(argv=None) -> int:
             if a.batch == 1:
                 done_c = [eng.generate(prompt_ids=ids[0], params=params, speculative=spec)]
             else:
-                done_c = eng.generate_batch(ids, params)
+                done_c = eng.generate_batch(ids, params, keep_hidden=a.states)
             for p, pid, c in zip(group, ids, done_c):
                 n_tok += len(c.tokens)
                 text = eng.tokenizer.decode(pid + c.tokens)
-                fh.write(json.dumps({"prompt": p, "text": text}) + "\n")
+                # the exact tokens (the text may tokenize otherwise), the first n_prompt of them the prompt
+                rec = {"prompt": p, "text": text, "ids": pid + c.tokens, "n_prompt": len(pid)}
+                if states_dir is not None and c.hidden is not None and c.hidden.shape[0] == len(rec["ids"]):
+                    states_dir.write(rec["ids"], c.hidden)
+                fh.write(json.dumps(rec) + "\n")
             fh.flush()
             print(f"{i + len(group)}/{len(todo)} prompts, {n_tok} tokens, {n_tok / (time.time() - t0):.1f} tok/s",
                   flush=True)

@@ -62,3 +62,23 @@ def test_batch_errors(engine):
     assert engine.generate_batch([]) == []
     got = engine.generate_batch([[1, 2]], SamplingParams(temperature=0, max_tokens=0))
     assert got[0].tokens == [] and got[0].finish_reason == "length"
+
+
+def test_keep_hidden_gives_the_state_of_every_token(engine):
+    """keep_hidden: each sequence's final-normed hidden states of prompt + output, one per token (a
+    sequence cut by max_tokens feeds its last token once more), the states the prompt's evaluation
+    and then one-token decoding give that sequence alone (the same kernels row by row); the tokens
+    are those of a batch without it."""
+    import torch
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.encode_prompt(p, chat=False) for p in PROMPTS]
+    plain = engine.generate_batch(ids, params)
+    got = engine.generate_batch(ids, params, keep_hidden=True)
+    assert all(c.hidden is None for c in plain)
+    for i, c, ref in zip(ids, got, plain):
+        assert c.tokens == ref.tokens
+        seq = i + c.tokens
+        assert c.hidden.shape == (len(seq), engine.model.cfg.d_model)
+        cache = engine.model.make_cache(len(seq), "cpu")
+        alone = [engine._evaluate(i, cache)] + [engine.model(torch.tensor([t]), cache) for t in c.tokens]
+        assert torch.equal(c.hidden, torch.cat(alone).float())

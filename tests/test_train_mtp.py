@@ -258,7 +258,7 @@ def test_jsonl_records_are_documents_and_tails_are_covered(setup, tiny_dir):
     recs = [{"prompt": "p", "text": f"question {i}: " + "the cat sat on the mat. " * 3 + f"END{i}"} for i in range(3)]
     f.write_text("\n".join(json.dumps(r) for r in recs))
     texts = read_texts([str(f)])
-    assert [t for _, t in texts] == [r["text"] for r in recs]
+    assert [t.text for t in texts] == [r["text"] for r in recs]
     w = token_windows(eng.tokenizer, texts, 32, 10_000, 0)
     for r in recs:
         ids = eng.tokenizer.encode(r["text"], add_special=False)
@@ -377,6 +377,98 @@ def test_training_on_cuda(tiny_dir):
     assert len(out.tokens) == 8
 
 
+def test_records_with_kept_states_need_no_trunk_forward(setup):
+    """Records written with their token ids and states (`RecordStates`, as `self_answers.py
+    --states` writes them from its own decoding) are cut into windows of those exact tokens, and
+    every window's trunk states are the record's rows at its offset: the trunk computes nothing.
+    States of another model are not used, and ids that do not decode to the record's text are
+    not trusted (the text is tokenized)."""
+    import json
+
+    import numpy as np
+    from mtpllm.train.mtp import RecordStates
+    eng, _, d = setup
+    f = d / "kept.jsonl"
+    store = RecordStates.create(f, eng.model)
+    prompts = [eng.tokenizer.encode(TEXT[i * 7:i * 7 + 90], add_special=False) for i in range(3)]
+    got = eng.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), keep_hidden=True)
+    recs = []
+    for p, c in zip(prompts, got):
+        ids = p + c.tokens
+        store.write(ids, c.hidden)
+        recs.append({"prompt": "p", "text": eng.tokenizer.decode(ids), "ids": ids})
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    texts = read_texts([str(f)])
+    assert all(t.ids == r["ids"] and t.states is not None and t.states.exists() for t, r in zip(texts, recs))
+    origins: list = []
+    windows = token_windows(eng.tokenizer, texts, 32, 10_000, 0, origins)
+    assert len(origins) == len(windows) and all(doc is not None for doc, _ in origins)
+    assert all(w == doc.ids[o:o + 32] for w, (doc, o) in zip(windows, origins))
+    assert any(o > 0 for _, o in origins)  # windows inside a record, with the conversation before them as context
+    tr = Trainer(eng, windows, TrainConfig(steps=3, seq_len=32, batch=2, lr=3e-3, warmup=1), d / "mtp-kept.gguf",
+                 "kept", origins=origins)
+    assert len(tr.hidden.from_records) == len(windows) and tr.hidden.done.all()
+    for i, (doc, o) in enumerate(origins):
+        rows = np.load(doc.states)[o:o + 32].astype(np.float32)
+        assert torch.equal(tr.hidden.get(i), torch.from_numpy(rows))
+    tr.train(progress=None)
+    assert not list(tr.hidden.dir.glob("*.npy"))  # nothing computed by the trunk
+    # another trunk: the record states are not its states
+    other_eng = Engine.load(str(make_tiny(d / "other-trunk.gguf", "qwen2", seed=11, ctx=1024)), n_ctx=512)
+    o2: list = []
+    w2 = token_windows(other_eng.tokenizer, read_texts([str(f)]), 32, 10_000, 0, o2)
+    other = Trainer(other_eng, w2, TrainConfig(steps=1, seq_len=32, batch=2), d / "mtp-other-kept.gguf", "t", origins=o2)
+    assert not other.hidden.from_records and not other.hidden.done.any()
+    # ids that are not the text's tokens: the text is tokenized, no states
+    bad = dict(recs[0], ids=recs[0]["ids"][1:])
+    g = d / "bad.jsonl"
+    g.write_text(json.dumps(bad))
+    o3: list = []
+    w3 = token_windows(eng.tokenizer, read_texts([str(g)]), 32, 10_000, 0, o3)
+    assert all(doc is None for doc, _ in o3) and w3[0] == eng.tokenizer.encode(bad["text"], add_special=False)[:32]
+
+
+def test_answer_only_scores_just_the_answer_tokens(setup):
+    """--answer-only: in records that mark their prompt (n_prompt) a base position is scored only
+    when the token it predicts is an answer token, what the head drafts in decoding; windows
+    wholly inside a prompt are not trained on, and unmarked text is scored everywhere."""
+    import json
+    eng, _, d = setup
+    f = d / "marked.jsonl"
+    recs = []
+    for i in range(3):
+        p = eng.tokenizer.encode(TEXT[i * 5:i * 5 + 300], add_special=False)[:40 + 10 * i]
+        a = eng.tokenizer.encode(TEXT[400 + i * 3:700], add_special=False)[:50]
+        recs.append({"prompt": "p", "text": eng.tokenizer.decode(p + a), "ids": p + a, "n_prompt": len(p)})
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    texts = read_texts([str(f)])
+    assert [t.n_prompt for t in texts] == [40, 50, 60]
+    origins: list = []
+    windows = token_windows(eng.tokenizer, texts, 32, 10_000, 0, origins)
+    cfg = dict(steps=2, seq_len=32, batch=1, lr=3e-3, warmup=1, feature_weight=0.0)
+    ans = Trainer(eng, windows, TrainConfig(answer_only=True, **cfg), d / "mtp-ans.gguf", "t", origins=origins)
+    full = Trainer(eng, windows, TrainConfig(**cfg), d / "mtp-full.gguf", "t", origins=origins)
+    assert ans.answer_from == [max(0, doc.n_prompt - o) for doc, o in origins]
+    assert sorted(ans.order) == [i for i, a in enumerate(ans.answer_from) if a < 32] != sorted(full.order)
+    i = next(i for i, a in enumerate(ans.answer_from) if 2 < a < 32)
+    a = ans.answer_from[i]
+    # the same loss by hand: depth 1, base j predicts token j + 2, scored when j + 2 >= a
+    with torch.no_grad():
+        h = ans.hidden.get(i)[None]
+        tok = torch.tensor([windows[i]])
+        out, _ = ans.head(eng.model.embed(tok[0])[None, 1:], h[:, :-1])
+        tgt = ans._logp(h[:, 1:])
+        kl = (tgt.exp() * (tgt - ans._logp(out))).sum(-1)[0]
+        assert torch.allclose(ans.batch_loss([i]), kl[a - 2:].mean(), rtol=1e-5)
+        assert torch.allclose(full.batch_loss([i]), kl.mean(), rtol=1e-5)
+    ans.train(progress=None)
+    assert len(ans.losses) == 2
+    from dataclasses import replace
+    with pytest.raises(MtpllmError, match="no window with an answer"):  # the prompt covers every window
+        Trainer(eng, [windows[0]], TrainConfig(answer_only=True, **cfg), d / "mtp-none.gguf", "t",
+                origins=[(replace(origins[0][0], n_prompt=10_000), 0)])
+
+
 def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeypatch):
     """scripts/self_answers.py (the training text of the shipped heads): code prompts are signatures
     and docstrings of the given sources' public functions with their bodies removed; every prompt
@@ -408,3 +500,15 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
     assert sa.main(args + ["--more-prose", "2"]) == 0 and len(out.read_text().splitlines()) == len(recs)
     with pytest.raises(SystemExit):
         sa.main(args + ["--more-prose", "3"])
+    # --states: each record also carries its exact tokens, and their states lie beside the file
+    import numpy as np
+    from mtpllm.train.mtp import read_texts as rt
+    kept = tiny_dir / "answers-kept.jsonl"
+    assert sa.main(["-m", str(model), "--stdlib", str(src), "--code", "1", "-n", "3", "--batch", "4", "-o", str(kept),
+                    "--threads", "1", "--states"]) == 0
+    docs = rt([str(kept)])
+    assert len(docs) == len(sa.PROSE + sa.MORE_PROSE) + 1 and (tiny_dir / "answers-kept.jsonl.states" / "trunk.json").exists()
+    for doc in docs:
+        assert doc.ids and doc.states is not None and np.load(doc.states).shape[0] == len(doc.ids)
+    with pytest.raises(SystemExit):
+        sa.main(args[:-4] + ["--batch", "1", "-o", str(kept), "--states"])

@@ -240,6 +240,9 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="weight of each further position's loss relative to the previous one")
     ap.add_argument("--feature-weight", type=float, default=1.0,
                     help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
+    ap.add_argument("--answer-only", action="store_true",
+                    help="in records that mark their prompt (self_answers.py's n_prompt) train only on predicting "
+                         "answer tokens, what the head drafts; other text is scored everywhere")
     ap.add_argument("--describe", default=None, metavar="TEXT",
                     help="what the training text is, recorded in the head's metadata "
                          "(default: the data files' names)")
@@ -280,7 +283,7 @@ def cmd_train_mtp(argv: list[str]) -> int:
     precision = a.precision if a.precision != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
                       draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
-                      depth_weight=a.depth_weight, seed=a.seed,
+                      depth_weight=a.depth_weight, answer_only=a.answer_only, seed=a.seed,
                       checkpoint_every=a.checkpoint_every,
                       max_tokens=a.max_tokens, precision=precision)
     out = Path(a.output)
@@ -296,14 +299,15 @@ def cmd_train_mtp(argv: list[str]) -> int:
     if eng.model.cfg.n_nextn:
         print(f"note: {a.model} already has {eng.model.cfg.n_nextn} MTP layer(s); training a separate head",
               file=sys.stderr)
-    windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed)
+    origins: list = []
+    windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed, origins)
     n_tok = len(windows) * cfg.seq_len
     print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
           f"{cfg.steps} steps x {cfg.batch} windows on {device} ({precision})", file=sys.stderr)
     # names only: no local paths
     desc = (a.describe or ", ".join(Path(p).name for p in a.data)) + f" ({n_tok} tokens" + \
         ("; trunk states from the compressed kernels)" if a.fast_trunk else ")")
-    tr = Trainer(eng, windows, cfg, out, desc, init=a.init, hidden_dir=a.hidden_cache)
+    tr = Trainer(eng, windows, cfg, out, desc, init=a.init, hidden_dir=a.hidden_cache, origins=origins)
     if not a.no_resume and tr.load_checkpoint():
         print(f"resuming from {tr.ckpt_path} at step {tr.step}", file=sys.stderr)
     t0 = time.time()

@@ -69,6 +69,9 @@ class Completion:
     timings: Timings
     prompt_tokens: int
     stats: object | None = None
+    # the trunk's final-normed hidden state of every token of prompt + tokens [T, D] (float32):
+    # `generate_batch(keep_hidden=True)`, for training text that comes with its states
+    hidden: torch.Tensor | None = None
 
 
 def resolve_device(name: str) -> str:
@@ -287,13 +290,19 @@ class Engine:
             last = r
         return Completion("".join(parts), tokens, last.finish_reason, last.timings, len(ids), last.stats)
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | None = None,
+                       keep_hidden: bool = False) -> list[Completion]:
         """Several independent requests decoded together: each step feeds one token of every
         unfinished sequence through the model as one batch (`Transformer.decode_batch`), so the
         weights are read once per step for all of them. Each sequence gets exactly the tokens that
         `generate` would give it alone (same kernels row by row; greedy identical, sampling from the
         same distributions). Plain decoding only; stop strings, EOS and max_tokens per sequence.
-        Each sequence gets its own KV cache of len(prompt) + max_tokens positions (at most n_ctx)."""
+        Each sequence gets its own KV cache of len(prompt) + max_tokens positions (at most n_ctx).
+
+        keep_hidden: each Completion also carries the model's final-normed hidden state of every
+        token of prompt + output (`Completion.hidden`), the trunk states an MTP head is trained on;
+        a sequence stopped by max_tokens feeds its last token once more for its state (when its
+        cache has room), so the states cover every token."""
         params = params or SamplingParams()
         if not prompts:
             return []
@@ -304,9 +313,14 @@ class Engine:
         check_kv_memory(self.model.cfg, sum(min(self.n_ctx, len(ids) + params.max_tokens) for ids in prompts))
         t0 = time.perf_counter()
         caches, hidden, samplers = [], [], []
-        for ids in prompts:
-            cache = self.model.make_cache(min(self.n_ctx, len(ids) + params.max_tokens), self.device)
-            hidden.append(self._evaluate(ids, cache)[-1:])
+        states: list[list[torch.Tensor]] = [[] for _ in prompts]  # keep_hidden: per sequence, in order
+        for b, ids in enumerate(prompts):
+            room = 1 if keep_hidden else 0  # the last token's state, for a sequence cut by max_tokens
+            cache = self.model.make_cache(min(self.n_ctx, len(ids) + params.max_tokens + room), self.device)
+            h_all = self._evaluate(ids, cache)
+            hidden.append(h_all[-1:])
+            if keep_hidden:
+                states[b].append(h_all.float())
             caches.append(cache)
             samplers.append(make_sampler(params, self.device))
         t1 = time.perf_counter()
@@ -318,6 +332,7 @@ class Engine:
         hold = max((len(s) for s in params.stop), default=1) - 1
         live = [b for b in range(B) if finish[b] is None]
         h = torch.cat(hidden)
+        last: list[tuple[int, int, int]] = []  # sequences done by max_tokens whose last token is fed for its state
         while live:
             logits = self.model.logits(h)
             nxt = []
@@ -336,21 +351,29 @@ class Engine:
                         continue
                 if len(out[b]) >= params.max_tokens:
                     finish[b] = "length"
+                    if keep_hidden and caches[b].length + 1 <= caches[b].max_len:
+                        last.append((row, b, t))  # fed once more, for its state only
                 elif caches[b].length + 2 > caches[b].max_len:
                     finish[b] = "context"
                 else:
                     nxt.append((row, b, t))
             live = [b for _, b, _ in nxt]
-            if live:
-                step = torch.tensor([t for _, _, t in nxt], dtype=torch.long, device=self.device)
-                h = self.model.decode_batch(step, [caches[b] for b in live])
+            if live or last:
+                fed = nxt + last
+                step = torch.tensor([t for _, _, t in fed], dtype=torch.long, device=self.device)
+                h = self.model.decode_batch(step, [caches[b] for _, b, _ in fed])
+                if keep_hidden:
+                    for r, (_, b, _) in enumerate(fed):
+                        states[b].append(h[r:r + 1].float())
+                h, last = h[:len(nxt)], []
         t2 = time.perf_counter()
         done = []
         for b in range(B):
             text = cut_texts[b] if cut_texts[b] is not None else tok.decode(out[b], skip_special=True)
             tm = Timings(load_ms=self.load_ms, prompt_n=sum(map(len, prompts)), prompt_ms=(t1 - t0) * 1e3,
                          predicted_n=sum(map(len, out)), predicted_ms=(t2 - t1) * 1e3)
-            done.append(Completion(text, out[b], finish[b], tm, len(prompts[b])))
+            done.append(Completion(text, out[b], finish[b], tm, len(prompts[b]),
+                                   hidden=torch.cat(states[b]) if keep_hidden else None))
         return done
 
 

@@ -153,8 +153,72 @@ class TrainableHead(nn.Module):
 
 
 # ---------------------------------------------------------------------------- data
-def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
-    """(source, text) for every file under `paths` (.py .txt .md .jsonl; a directory is walked)."""
+@dataclass(frozen=True)
+class Doc:
+    """One training document: its text, and for a record written with its tokens (`ids`) and
+    possibly their trunk states (a file in the .jsonl's `.states` folder) those too."""
+    source: str
+    text: str
+    ids: list[int] | None = None
+    states: Path | None = None
+    n_prompt: int = 0  # leading ids that are the prompt (a record's "n_prompt"): not answer tokens
+
+
+def _ids_digest(ids: list[int]) -> str:
+    import hashlib
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+class RecordStates:
+    """The trunk's final-normed hidden states of whole training records, kept by the program that
+    generated them (`scripts/self_answers.py --states`: the states come from the same decoding
+    that wrote the answer, so they cost nothing more) in a folder beside the .jsonl file
+    (`answers.jsonl.states/`): one float16 file [len(ids), D] per record, named by the digest of
+    its token ids, and `trunk.json` naming the model. `train-mtp` uses them for every window cut
+    from such a record when its trunk is that model, instead of running the trunk over the window;
+    they are the states of the whole conversation, as the head sees them when it drafts."""
+
+    def __init__(self, root: Path):
+        self.dir = Path(root)
+
+    @staticmethod
+    def _key(model) -> dict:
+        src = Path(model.source)
+        return {"trunk": src.name, "size": src.stat().st_size, "d_model": model.cfg.d_model}
+
+    @classmethod
+    def create(cls, jsonl: Path | str, model) -> "RecordStates":
+        d = Path(str(jsonl) + ".states")
+        key = cls._key(model)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            meta = d / "trunk.json"
+            if meta.exists() and json.loads(meta.read_text()) != key:
+                raise MtpllmError(f"{d}: holds states of another model ({meta.read_text().strip()}); "
+                                  f"write to another output file")
+            meta.write_text(json.dumps(key))
+        except OSError as exc:
+            raise MtpllmError(f"{d}: cannot write there ({exc})") from None
+        return cls(d)
+
+    def write(self, ids: list[int], hidden: torch.Tensor) -> Path:
+        f = self.dir / (_ids_digest(ids) + ".npy")
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, hidden.float().cpu().numpy().astype(np.float16))
+        os.replace(tmp, f)
+        return f
+
+    @classmethod
+    def matches(cls, d: Path, model) -> bool:
+        try:
+            return json.loads((Path(d) / "trunk.json").read_text()) == cls._key(model)
+        except (OSError, ValueError):
+            return False
+
+
+def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[Doc]:
+    """A Doc for every file under `paths` (.py .txt .md .jsonl; a directory is walked)."""
     out = []
     for p in paths:
         path = Path(p)
@@ -171,6 +235,8 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
                 continue
             if f.suffix == ".jsonl":  # one document per record (a conversation, a chapter)
                 n0 = len(out)
+                sdir = Path(str(f) + ".states")
+                sdir = sdir if sdir.is_dir() else None
                 for line in text.splitlines():
                     try:
                         obj = json.loads(line)
@@ -184,17 +250,29 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[tuple[
                         vals = [obj] if isinstance(obj, str) else []
                     rec = " ".join(vals)
                     if rec.strip():
-                        out.append((f"{f}#{len(out) - n0}", rec))
+                        ids = obj.get("ids") if isinstance(obj, dict) else None
+                        if not (isinstance(ids, list) and ids and all(type(x) is int and x >= 0 for x in ids)):
+                            ids = None
+                        states = sdir / (_ids_digest(ids) + ".npy") if ids and sdir else None
+                        n_prompt = obj.get("n_prompt", 0) if ids else 0
+                        n_prompt = n_prompt if type(n_prompt) is int and 0 <= n_prompt <= len(ids or []) else 0
+                        out.append(Doc(f"{f}#{len(out) - n0}", rec, ids,
+                                       states if states is not None and states.exists() else None, n_prompt))
                 continue
             if text.strip():
-                out.append((str(f), text))
+                out.append(Doc(str(f), text))
     if not out:
         raise MtpllmError(f"--data: no readable text found in {', '.join(paths)}")
     return out
 
 
-def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tokens: int, seed: int) -> list[list[int]]:
+def token_windows(tokenizer, texts: list[Doc], seq_len: int, max_tokens: int, seed: int,
+                  origins: list | None = None) -> list[list[int]]:
     """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all).
+
+    A record that carries its token ids uses them when they decode to its text with this
+    tokenizer (the exact tokens the model wrote), else its text is tokenized. With `origins` (a
+    list), (document, offset) of every window is appended to it.
 
     One document gives at most 2% of the budget (and at least one window), so a single large file
     (a whole Bible, a corpus dump) cannot crowd out the rest; each document's windows start at a
@@ -204,8 +282,9 @@ def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tok
     rng.shuffle(docs)
     per_doc = max(seq_len, max_tokens // 50)
     windows, total = [], 0
-    for _, text in docs:
-        ids = tokenizer.encode(text, add_special=False)
+    for doc in docs:
+        ids = doc.ids if doc.ids and _decodes_to(tokenizer, doc.ids, doc.text) else \
+            tokenizer.encode(doc.text, add_special=False)
         starts = list(range(0, len(ids) - seq_len + 1, seq_len))
         if starts and starts[-1] + seq_len < len(ids):
             starts.append(len(ids) - seq_len)  # the tail (e.g. the end of an answer), overlapping
@@ -214,10 +293,19 @@ def token_windows(tokenizer, texts: list[tuple[str, str]], seq_len: int, max_tok
         first = rng.randrange(n_win - take + 1) if n_win else 0
         for s in starts[first:first + take]:
             windows.append(ids[s:s + seq_len])
+            if origins is not None:
+                origins.append((doc if ids is doc.ids else None, s))
             total += seq_len
             if total >= max_tokens:
                 return windows
     return windows
+
+
+def _decodes_to(tokenizer, ids: list[int], text: str) -> bool:
+    try:
+        return tokenizer.decode(ids) == text
+    except Exception:  # ids out of this tokenizer's vocabulary: another model's record
+        return False
 
 
 # ---------------------------------------------------------------------------- training
@@ -233,6 +321,7 @@ class TrainConfig:
     feature_weight: float = 1.0  # weight of the hidden-state regression term (0 = KL only)
     depth: int = 1  # draft positions trained: 2+ also trains the head on its own outputs (recursion)
     depth_weight: float = 0.5  # weight of each further position's loss, relative to the previous one
+    answer_only: bool = False  # in records that mark their prompt (n_prompt), score only answer tokens
     seed: int = 0
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
@@ -272,7 +361,8 @@ class HiddenCache:
     through the frozen lm_head, so nothing else is stored.
     """
 
-    def __init__(self, root: Path, trunk: Transformer, windows: list[list[int]], device: torch.device | str = "cpu"):
+    def __init__(self, root: Path, trunk: Transformer, windows: list[list[int]], device: torch.device | str = "cpu",
+                 origins: list | None = None):
         import hashlib
         self.trunk, self.windows, self.device = trunk, windows, torch.device(device)
         src = Path(trunk.source)
@@ -288,7 +378,17 @@ class HiddenCache:
             raise MtpllmError(f"hidden-state cache {root}: cannot write there ({exc})") from None
         self.files = [self.dir / (hashlib.sha256(np.asarray(w, dtype=np.int64).tobytes()).hexdigest()[:32] + ".npy")
                       for w in windows]
-        self.done = np.array([f.exists() for f in self.files], dtype=np.bool_)
+        # windows cut from records whose states were kept when they were generated (RecordStates)
+        self.from_records: dict[int, tuple[Path, int]] = {}
+        ok_dirs: dict[Path, bool] = {}
+        for i, (doc, off) in enumerate(origins or []):
+            if doc is not None and doc.states is not None:
+                d = doc.states.parent
+                if d not in ok_dirs:
+                    ok_dirs[d] = RecordStates.matches(d, trunk)
+                if ok_dirs[d]:
+                    self.from_records[i] = (doc.states, off)
+        self.done = np.array([i in self.from_records or f.exists() for i, f in enumerate(self.files)], dtype=np.bool_)
 
     def _compute(self, i: int) -> np.ndarray:
         ids = torch.tensor(self.windows[i], device=self.device)
@@ -305,9 +405,12 @@ class HiddenCache:
     def fill(self, progress=sys.stderr) -> None:
         """Compute every missing window (resumable; progress with ETA)."""
         todo = np.flatnonzero(~self.done)
-        if progress is not None and self.done.any():
-            progress.write(f"trunk hidden states: {int(self.done.sum())}/{len(self.done)} windows already in "
-                           f"{self.dir.parent}\n")
+        if progress is not None and self.from_records:
+            progress.write(f"trunk hidden states: {len(self.from_records)}/{len(self.done)} windows from the "
+                           f"states kept with their records\n")
+        if progress is not None and self.done.sum() > len(self.from_records):
+            progress.write(f"trunk hidden states: {int(self.done.sum()) - len(self.from_records)}/{len(self.done)} "
+                           f"windows already in {self.dir.parent}\n")
         t0 = time.time()
         for j, i in enumerate(todo):
             self._compute(int(i))
@@ -321,19 +424,30 @@ class HiddenCache:
 
     def get(self, i: int) -> torch.Tensor:
         arr = None
-        if self.done[i]:
+        S, D = len(self.windows[i]), self.trunk.cfg.d_model
+        if i in self.from_records:
+            f, off = self.from_records[i]
+            try:
+                arr = np.load(f, mmap_mode="r")[off:off + S]
+            except (OSError, ValueError):
+                arr = None
+            if arr is None or arr.shape != (S, D):
+                del self.from_records[i]  # unreadable or not this record's: the trunk computes it
+                self.done[i] = self.files[i].exists()
+                arr = None
+        if arr is None and self.done[i]:
             try:
                 arr = np.load(self.files[i])
             except (OSError, ValueError):
                 arr = None  # unreadable (e.g. removed by hand): computed again
-        if arr is None or arr.shape != (len(self.windows[i]), self.trunk.cfg.d_model):
+        if arr is None or arr.shape != (S, D):
             arr = self._compute(i)
         return torch.from_numpy(arr.astype(np.float32))
 
 
 class Trainer:
     def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str,
-                 init: str | None = None, hidden_dir: Path | str | None = None):
+                 init: str | None = None, hidden_dir: Path | str | None = None, origins: list | None = None):
         if not windows:
             raise MtpllmError("train-mtp: not enough text for one training window; add data or lower --seq-len")
         self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
@@ -381,10 +495,15 @@ class Trainer:
                                      betas=(0.9, 0.98))
         # the trunk's states: next to the output unless a shared folder is given
         root = Path(hidden_dir) if hidden_dir is not None else out.with_suffix(out.suffix + ".hidden")
-        self.hidden = HiddenCache(root, trunk, windows, self.device)
+        self.hidden = HiddenCache(root, trunk, windows, self.device, origins)
         self.step = 0
         self.losses: list[float] = []
-        self.order = list(range(len(windows)))
+        # per window: its first token that is an answer token (0 = score every position)
+        self.answer_from = [max(0, doc.n_prompt - off) if cfg.answer_only and doc is not None else 0
+                            for doc, off in (origins or [(None, 0)] * len(windows))]
+        self.order = [i for i in range(len(windows)) if self.answer_from[i] < len(windows[i])]
+        if not self.order:
+            raise MtpllmError("train-mtp: --answer-only leaves no window with an answer token")
         random.Random(cfg.seed).shuffle(self.order)
 
     def _frequent(self, windows: list[list[int]], n: int, prior: torch.Tensor | None = None) -> torch.Tensor:
@@ -437,17 +556,20 @@ class Trainer:
             logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
         return torch.log_softmax(logits.float(), -1)
 
-    def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Loss of one draft position, mean over the scored positions (mask [B, T]: 1 = scored)."""
         logp = self._logp(out)
-        # KL(teacher || head), mean over positions
-        kl = (tgt.exp() * (tgt - logp)).sum(-1).mean()
+        kl = (tgt.exp() * (tgt - logp)).sum(-1)  # KL(teacher || head) per position
+        mean = (lambda t: t.mean()) if mask is None else (lambda t: (t * mask).sum() / mask.sum().clamp_min(1))
         if not self.cfg.feature_weight:
-            return kl
+            return mean(kl)
         # For k > 1 the head's output is fed back in place of the trunk's next hidden state, so it
         # should also BE that state, not only share its logits (EAGLE's feature regression): smooth
         # L1 to the trunk's state, relative to that state's mean magnitude.
         scale = nxt.abs().mean().clamp_min(1e-6)
-        return kl + self.cfg.feature_weight * F.smooth_l1_loss(out / scale, nxt / scale)
+        feat = F.smooth_l1_loss(out.float() / scale, nxt / scale, reduction="none").mean(-1)
+        return mean(kl) + self.cfg.feature_weight * mean(feat)
 
     def batch_loss(self, idx: list[int]) -> torch.Tensor:
         """Draft position 1: the head reads the trunk's state h_j and token t_{j+1} and is scored
@@ -462,13 +584,17 @@ class Trainer:
         with torch.no_grad():  # the teacher, once: position s scores against its rows s..S-1
             teacher = self._logp(h[:, 1:])
             embs = torch.stack([self.trunk.embed(t) for t in tok])  # [B, S, D]
+        first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)  # first answer token
         loss, prev, w, past = 0.0, h[:, :-1], 1.0, []
         for s in range(1, depth + 1):
             emb, tgt = embs[:, s:], teacher[:, s - 1:]  # tokens t_{j+s}; the trunk's logits at j+s
             nxt = h[:, s:]
+            # base j at this position predicts token j+s+1: scored when that is an answer token
+            mask = (torch.arange(S - s, device=self.device)[None, :] + s + 1 >= first[:, None]).float() \
+                if bool(first.any()) else None
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
                 out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
-                loss = loss + w * self._step_loss(out, tgt, nxt)
+                loss = loss + w * self._step_loss(out, tgt, nxt, mask)
             prev, w = out, w * self.cfg.depth_weight
             past.append(kv)
         return loss
