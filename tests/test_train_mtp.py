@@ -226,10 +226,10 @@ def test_init_fine_tunes_an_existing_head(setup):
         a, b = getattr(tuned.head, name), getattr(base.head, name)
         assert (a - b).abs().max() <= b.abs().max() / 127 + 1e-6  # Q8_0 round trip
     assert torch.allclose(tuned.head.qkv_bias, base.head.qkv_bias)
-    loss_init = float(tuned.batch_loss(tuned.order[:2]))
+    loss_init = float(tuned.batch_loss(tuned.order[:2]).detach())
     fresh = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=256, draft_vocab=100),
                     d / "mtp-fresh.gguf", "test text")
-    assert loss_init < float(fresh.batch_loss(tuned.order[:2]))  # starts where the trained head was
+    assert loss_init < float(fresh.batch_loss(tuned.order[:2]).detach())  # starts where the trained head was
     # --draft-vocab with --init: a new vocabulary from the new text's most frequent tokens, the old
     # head's tokens next (a chat model's own answers use markdown tokens that source code does not)
     import numpy as np
@@ -443,6 +443,11 @@ def test_answer_only_scores_just_the_answer_tokens(setup):
     f.write_text("\n".join(json.dumps(r) for r in recs))
     texts = read_texts([str(f)])
     assert [t.n_prompt for t in texts] == [40, 50, 60]
+    import gzip  # records gzipped (as the repository ships them) read the same
+    with gzip.open(d / "marked.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(f.read_text())
+    assert [(t.text, t.ids, t.n_prompt) for t in read_texts([str(d / "marked.jsonl.gz")])] == \
+        [(t.text, t.ids, t.n_prompt) for t in texts]
     origins: list = []
     windows = token_windows(eng.tokenizer, texts, 32, 10_000, 0, origins)
     cfg = dict(steps=2, seq_len=32, batch=1, lr=3e-3, warmup=1, feature_weight=0.0)

@@ -224,16 +224,22 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[Doc]:
         path = Path(p)
         if not path.exists():
             raise MtpllmError(f"--data {p}: no such file or directory")
-        files = sorted(f for f in path.rglob("*") if f.suffix in (".py", ".txt", ".md", ".jsonl")) \
+        files = sorted(f for f in path.rglob("*") if f.suffix in (".py", ".txt", ".md", ".jsonl")
+                       or f.name.endswith(".jsonl.gz")) \
             if path.is_dir() else [path]
         for f in files:
             if any(x in str(f) for x in exclude):
                 continue
             try:
-                text = f.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
+                if f.name.endswith(".jsonl.gz"):  # records as shipped in the repository
+                    import gzip
+                    with gzip.open(f, "rt", encoding="utf-8") as fh:
+                        text = fh.read()
+                else:
+                    text = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError, EOFError):
                 continue
-            if f.suffix == ".jsonl":  # one document per record (a conversation, a chapter)
+            if f.suffix == ".jsonl" or f.name.endswith(".jsonl.gz"):  # one document per record (a conversation, a chapter)
                 n0 = len(out)
                 sdir = Path(str(f) + ".states")
                 sdir = sdir if sdir.is_dir() else None
