@@ -398,3 +398,61 @@ def test_chain_configuration(target):
     inner.fallback = SpecConfig("ngram")
     with pytest.raises(MtpllmError, match="two members at most"):
         SpecConfig("ngram", fallback=inner)
+
+
+def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_dir):
+    """With a reduced draft vocabulary, tokens of the request (prompt and output so far) outside it
+    are draft candidates too: the head's unrestricted greedy draft, removed from the vocabulary,
+    is drafted again when it is in the prompt, and not when the request's tokens are left out.
+    Greedy output stays identical to plain decoding, for greedy and sampled drafting."""
+    head_file = make_tiny_head(tiny_dir / "mtp-ctx.gguf", "qwen2", n_layers=2, seed=9)
+    V_ = target.model.cfg.vocab_size
+
+    def proposer(vocab):
+        head = load_mtp_head(GGUFFile(head_file), target.model, "fast")
+        if vocab is not None:
+            head.draft_vocab = torch.tensor(sorted(vocab))
+        return MTPProposer(head, target.model, target.n_ctx)
+
+    ids = target.tokenizer.encode(PROMPT)
+    hidden = target.model(torch.tensor(ids), target.model.make_cache(len(ids), "cpu"))
+    from mtpllm.runtime.sampling import make_sampler
+    sampler = make_sampler(SamplingParams(temperature=0), "cpu")
+
+    def first_draft(p, history):  # the prompt through the head, then the draft after its first token
+        p.begin(target, ids, hidden, 0)
+        return p.propose(history, 1, sampler)[0]
+
+    # history: the prompt and one generated token x0, chosen so that the head's unrestricted draft
+    # after it is a token of the history
+    free_p = proposer(None)
+    for x0 in range(V_):
+        history = ids + [x0]
+        [free] = first_draft(free_p, history)
+        if free in history:
+            break
+    assert free in history
+    reduced = proposer(set(range(V_)) - {free})
+    [d] = first_draft(reduced, history)
+    assert d == free and reduced.ctx_tokens == [free]
+    reduced.context_vocab = False
+    [d_off] = first_draft(reduced, history)
+    assert d_off != free
+    # logits of the context rows are the lm_head's at those tokens
+    g = torch.randn(1, target.model.cfg.d_model)
+    p = proposer(set(range(V_ // 2)))
+    p._update_context(list(range(V_ // 2 - 3, V_ // 2 + 5)))
+    assert p.ctx_tokens == list(range(V_ // 2, V_ // 2 + 5))
+    full = target.model.lm_head(g)[0]
+    both = torch.cat([p.lm_head(g)[0], p.ctx_head(g)[0]])
+    assert torch.allclose(both, full[p.draft_ids], rtol=1e-5, atol=1e-5)
+    # lossless, through the head file's own reduced vocabulary (half the tokens)
+    half = make_tiny_head(tiny_dir / "mtp-half.gguf", "qwen2", n_layers=2, seed=9, draft_vocab=range(0, V_, 2))
+    ref = _plain(target, GREEDY)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half)).build(target)
+    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    assert out.tokens == ref.tokens and out.stats.num_drafts > 0
+    assert spec.proposer.ctx_tokens and all(t % 2 for t in spec.proposer.ctx_tokens)
+    sampled = dict(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
+    out = target.generate(PROMPT, SamplingParams(**sampled), chat=False, speculative=spec)
+    assert len(out.tokens) == 30 and out.stats.num_drafts > 0

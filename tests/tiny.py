@@ -129,7 +129,7 @@ def make_tiny(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: in
 
 
 def make_tiny_head(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: int = 1, ffn: int = 256,
-                   trunk_sha256: str | None = None) -> Path:
+                   trunk_sha256: str | None = None, draft_vocab: list[int] | None = None) -> Path:
     """A head-only `mtp-*.gguf` file for a tiny trunk with `n_layers` layers (block index n_layers)."""
     rng = np.random.default_rng(seed)
     tensors: dict = {}
@@ -139,4 +139,6 @@ def make_tiny_head(path: str | Path, arch: str = "qwen2", n_layers: int = 2, see
             "general.type": "mtp-head"}
     if trunk_sha256:
         meta["mtpllm.trunk_sha256"] = trunk_sha256
+    if draft_vocab is not None:
+        meta["mtpllm.draft_vocab"] = [int(x) for x in draft_vocab]
     return write_gguf(path, arch, meta, tensors)

@@ -149,8 +149,16 @@ class MTPProposer:
         self.embed = head.embed or trunk.embed
         self.lm_head = head.lm_head or trunk.lm_head
         self.vocab = getattr(head, "draft_vocab", None)  # reduced draft vocabulary (token ids) or None
+        # Tokens of the request outside the draft vocabulary (an identifier of the prompt that the
+        # answer repeats: 60% of the 1.5B's answer tokens missing from its head's vocabulary appear
+        # earlier in their conversation) are draft candidates too, through their own lm_head rows.
+        self.context_vocab = False
         if self.vocab is not None and head.lm_head is None:
             self.lm_head = trunk.lm_head.rows(self.vocab)  # only those rows: a cheaper draft matmul
+            self.context_vocab = True
+            self._in_vocab = torch.zeros(trunk.cfg.vocab_size, dtype=torch.bool)
+            self._in_vocab[self.vocab.cpu()] = True
+        self._reset_context()
         self.cache = head.make_cache(trunk.cfg, n_ctx, device)
         self.device = device
         self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
@@ -181,6 +189,27 @@ class MTPProposer:
             head.to(engine.device)
         return cls(head, trunk, engine.n_ctx, engine.device)
 
+    MAX_CONTEXT_ROWS = 4096
+
+    def _reset_context(self) -> None:
+        self.ctx_tokens: list[int] = []  # this request's tokens outside the draft vocabulary
+        self.ctx_seen = 0  # history tokens already scanned for them
+        self.ctx_head = None  # lm_head rows of ctx_tokens
+        self.draft_ids = self.vocab  # token id of each draft logit: the vocabulary, then ctx_tokens
+
+    def _update_context(self, history: list[int]) -> None:
+        if not self.context_vocab or len(self.ctx_tokens) >= self.MAX_CONTEXT_ROWS:
+            return
+        have = set(self.ctx_tokens)
+        new = [t for t in dict.fromkeys(history[self.ctx_seen:])
+               if 0 <= t < self._in_vocab.shape[0] and not self._in_vocab[t] and t not in have]
+        self.ctx_seen = len(history)
+        if new:
+            self.ctx_tokens += new[:self.MAX_CONTEXT_ROWS - len(self.ctx_tokens)]
+            ids = torch.tensor(self.ctx_tokens, dtype=torch.long)
+            self.ctx_head = self.trunk.lm_head.rows(ids)
+            self.draft_ids = torch.cat([self.vocab, ids.to(self.vocab.device)])
+
     # the head's cache entry at position i needs t_{i+1}: it can reuse entries for prompt[1:]
     def reusable_prefix(self, prompt: list[int]) -> int:
         common = 0
@@ -197,6 +226,8 @@ class MTPProposer:
         cache too, even when this one ends before any drafting. The last position waits for the first
         generated token (its entry needs t_{i+1})."""
         self.cache.trim(self.cache.length - start)
+        self._reset_context()
+        self._update_context(prompt)
         n = len(prompt) - 1 - start  # positions whose next token is already known
         if n > 0:
             toks = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long, device=self.device)
@@ -221,20 +252,23 @@ class MTPProposer:
         self.pending_h = None
         drafts, qs = [], []
         hist = list(history)
+        self._update_context(history)
         g_last = g[-1:]
         cut, cum = max(p_min, p_cum), 1.0  # top probabilities are computed only for a cut-off
         for i in range(k):
             logits = self.lm_head(g_last)[0]
+            if self.ctx_head is not None:
+                logits = torch.cat([logits, self.ctx_head(g_last)[0]])
             if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
                 # greedy drafts from the draft vocabulary's logits alone: the tokens outside it have
                 # -inf (probability 0), so argmax and top probability are those of the full vector
                 j = int(logits.argmax())
-                d, q = int(self.vocab[j]), None
+                d, q = int(self.draft_ids[j]), None
                 top = float(torch.softmax(logits, -1)[j]) if cut > 0 else 1.0
             else:
                 if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
                     logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
-                                        device=logits.device).index_copy_(0, self.vocab, logits)
+                                        device=logits.device).index_copy_(0, self.draft_ids, logits)
                 d, q, top = draft_token(logits, sampler, hist, cut)
             cum *= top
             if top < p_min or cum < p_cum:
