@@ -382,8 +382,7 @@ class HiddenCache:
             (self.dir / "trunk.json").write_text(json.dumps(key))
         except OSError as exc:
             raise MtpllmError(f"hidden-state cache {root}: cannot write there ({exc})") from None
-        self.files = [self.dir / (hashlib.sha256(np.asarray(w, dtype=np.int64).tobytes()).hexdigest()[:32] + ".npy")
-                      for w in windows]
+        self.files = [self.dir / (_ids_digest(w) + ".npy") for w in windows]
         # windows cut from records whose states were kept when they were generated (RecordStates)
         self.from_records: dict[int, tuple[Path, int]] = {}
         ok_dirs: dict[Path, bool] = {}
