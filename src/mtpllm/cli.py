@@ -243,6 +243,9 @@ def cmd_train_mtp(argv: list[str]) -> int:
     ap.add_argument("--answer-only", action="store_true",
                     help="in records that mark their prompt (self_answers.py's n_prompt) train only on predicting "
                          "answer tokens, what the head drafts; other text is scored everywhere")
+    ap.add_argument("--no-context-tokens", dest="context_tokens", action="store_false",
+                    help="with a draft vocabulary, do not train on the conversation's own tokens outside it (by "
+                         "default they join the softmax from their first appearance on, as the proposer drafts them)")
     ap.add_argument("--describe", default=None, metavar="TEXT",
                     help="what the training text is, recorded in the head's metadata "
                          "(default: the data files' names)")
@@ -283,7 +286,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
     precision = a.precision if a.precision != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
                       draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
-                      depth_weight=a.depth_weight, answer_only=a.answer_only, seed=a.seed,
+                      depth_weight=a.depth_weight, answer_only=a.answer_only,
+                      context_tokens=a.context_tokens, seed=a.seed,
                       checkpoint_every=a.checkpoint_every,
                       max_tokens=a.max_tokens, precision=precision)
     out = Path(a.output)

@@ -328,6 +328,9 @@ class TrainConfig:
     depth: int = 1  # draft positions trained: 2+ also trains the head on its own outputs (recursion)
     depth_weight: float = 0.5  # weight of each further position's loss, relative to the previous one
     answer_only: bool = False  # in records that mark their prompt (n_prompt), score only answer tokens
+    # with a draft vocabulary: the tokens of each window's conversation outside it join the softmax
+    # from their first appearance on, as the proposer drafts them (request tokens as candidates)
+    context_tokens: bool = True
     seed: int = 0
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
@@ -496,6 +499,18 @@ class Trainer:
             self.vocab = None
         W = trunk.lm_head.dequantized().to(self.device)
         self.head_w = (W[self.vocab.to(self.device)] if self.vocab is not None else W).contiguous()  # frozen, shared
+        # per window: {token outside the draft vocabulary: first window position where it is known}
+        self.ctx_first: list[dict[int, int]] | None = None
+        if cfg.context_tokens and self.vocab is not None:
+            in_vocab = np.zeros(V, dtype=bool)
+            in_vocab[self.vocab.numpy()] = True
+            self.ctx_first = [self._context_first(w, o, in_vocab)
+                              for w, o in zip(windows, origins or [(None, 0)] * len(windows))]
+            extra = sorted(set().union(*self.ctx_first))
+            self.ctx_index = {t: n for n, t in enumerate(extra)}  # token -> row of ctx_w
+            self.ctx_w = W[torch.tensor(extra, dtype=torch.long, device=self.device)].contiguous() if extra \
+                else W[:0].contiguous()
+        del W
         self.opt = torch.optim.AdamW([p for p in self.head.parameters()], lr=cfg.lr, weight_decay=0.0,
                                      betas=(0.9, 0.98))
         # the trunk's states: next to the output unless a shared folder is given
@@ -510,6 +525,40 @@ class Trainer:
         if not self.order:
             raise MtpllmError("train-mtp: --answer-only leaves no window with an answer token")
         random.Random(cfg.seed).shuffle(self.order)
+
+    MAX_CONTEXT_ROWS = 4096  # as the proposer's
+
+    def _context_first(self, window: list[int], origin, in_vocab: np.ndarray) -> dict[int, int]:
+        """Tokens of a window's conversation outside the draft vocabulary, each with the first window
+        position at which the proposer would have it as a candidate: 0 for those earlier in the
+        record (its prompt, an earlier part of the answer), else where it first occurs."""
+        doc, off = origin if origin is not None else (None, 0)
+        first: dict[int, int] = {}
+        before = doc.ids[:off] if doc is not None and doc.ids else []
+        for t in before:
+            if not in_vocab[t] and t not in first and len(first) < self.MAX_CONTEXT_ROWS:
+                first[t] = 0
+        for pos, t in enumerate(window):
+            if not in_vocab[t] and t not in first and len(first) < self.MAX_CONTEXT_ROWS:
+                first[t] = pos
+        return first
+
+    def _context_rows(self, idx: list[int], S: int):
+        """For a batch: (lm_head rows of its windows' context tokens [E, D], known [B, S, E]: token e
+        is a candidate at trunk position r of window b), or None."""
+        if self.ctx_first is None:
+            return None
+        toks = sorted(set().union(*(self.ctx_first[i] for i in idx)))
+        if not toks:
+            return None
+        col = {t: n for n, t in enumerate(toks)}
+        first = torch.full((len(idx), len(toks)), S, dtype=torch.long)  # S: never within the window
+        for b, i in enumerate(idx):
+            for t, pos in self.ctx_first[i].items():
+                first[b, col[t]] = pos
+        rows = self.ctx_w[torch.tensor([self.ctx_index[t] for t in toks], device=self.device)]
+        known = first.to(self.device)[:, None, :] <= torch.arange(S, device=self.device)[None, :, None]
+        return rows, known
 
     def _frequent(self, windows: list[list[int]], n: int, prior: torch.Tensor | None = None) -> torch.Tensor:
         """The n most frequent tokens of the training windows (sorted ids); tokens of `prior` (an
@@ -553,18 +602,25 @@ class Trainer:
         return True
 
     # -- one step -----------------------------------------------------------------------
-    def _logp(self, h: torch.Tensor) -> torch.Tensor:
+    def _logp(self, h: torch.Tensor, ctx=None) -> torch.Tensor:
         """log-probabilities of the next token from normed states h (the trunk's, or the head's
-        output) through the frozen lm_head, over the draft vocabulary (renormalized there)."""
+        output) through the frozen lm_head, over the draft vocabulary (renormalized there) and,
+        with ctx = (rows [E, D], known [B, T, E]), the context tokens known at each position."""
         logits = h @ self.head_w.t()
+        if ctx is not None:
+            logits = torch.cat([logits, h @ ctx[0].t()], -1)
         if self.trunk.cfg.final_softcap:
             logits = torch.tanh(logits / self.trunk.cfg.final_softcap) * self.trunk.cfg.final_softcap
-        return torch.log_softmax(logits.float(), -1)
+        logits = logits.float()
+        if ctx is not None:  # not yet seen: no candidate (a large negative, so KL terms stay finite)
+            V = self.head_w.shape[0]
+            logits[..., V:] = logits[..., V:].masked_fill(~ctx[1], -1e9)
+        return torch.log_softmax(logits, -1)
 
     def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
         """Loss of one draft position, mean over the scored positions (mask [B, T]: 1 = scored)."""
-        logp = self._logp(out)
+        logp = self._logp(out, ctx)
         kl = (tgt.exp() * (tgt - logp)).sum(-1)  # KL(teacher || head) per position
         mean = (lambda t: t.mean()) if mask is None else (lambda t: (t * mask).sum() / mask.sum().clamp_min(1))
         if not self.cfg.feature_weight:
@@ -586,8 +642,10 @@ class Trainer:
             h = torch.stack([self.hidden.get(i) for i in idx]).to(self.device)  # [B, S, D] final-normed trunk states
             tok = torch.tensor([self.windows[i] for i in idx], device=self.device)
         depth = min(self.cfg.depth, S - 2)
+        ctx = self._context_rows(idx, S)  # a prediction made at trunk position r: candidates known there
+        at = (lambda r0: None) if ctx is None else (lambda r0: (ctx[0], ctx[1][:, r0:]))
         with torch.no_grad():  # the teacher, once: position s scores against its rows s..S-1
-            teacher = self._logp(h[:, 1:])
+            teacher = self._logp(h[:, 1:], at(1))
             embs = torch.stack([self.trunk.embed(t) for t in tok])  # [B, S, D]
         first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)  # first answer token
         loss, prev, w, past = 0.0, h[:, :-1], 1.0, []
@@ -599,7 +657,7 @@ class Trainer:
                 if bool(first.any()) else None
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
                 out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
-                loss = loss + w * self._step_loss(out, tgt, nxt, mask)
+                loss = loss + w * self._step_loss(out, tgt, nxt, mask, at(s))
             prev, w = out, w * self.cfg.depth_weight
             past.append(kv)
         return loss
