@@ -614,7 +614,7 @@ class Trainer:
         logits = logits.float()
         if ctx is not None:  # not yet seen: no candidate (a large negative, so KL terms stay finite)
             V = self.head_w.shape[0]
-            logits[..., V:] = logits[..., V:].masked_fill(~ctx[1], -1e9)
+            logits = torch.cat([logits[..., :V], logits[..., V:].masked_fill(~ctx[1], -1e9)], -1)
         return torch.log_softmax(logits, -1)
 
     def _step_loss(self, out: torch.Tensor, tgt: torch.Tensor, nxt: torch.Tensor,
