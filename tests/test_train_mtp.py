@@ -221,12 +221,22 @@ def test_init_fine_tunes_an_existing_head(setup):
     base.train(progress=None)
     path = base.write_gguf(sha256_cached(eng.model.source))
     cfg = TrainConfig(steps=3, seq_len=48, batch=2, lr=3e-3, warmup=2, checkpoint_every=5)
-    tuned = Trainer(eng, windows, cfg, d / "mtp-tuned.gguf", "test text", init=str(path))
+    tuned = Trainer(eng, windows, cfg, d / "mtp-tuned.gguf", "tuned text", init=str(path))
     assert tuned.head.wgate.shape[0] == 256 and torch.equal(tuned.vocab, base.vocab)
     for name in ("eh_proj", "wq", "wdown", "out_norm"):
         a, b = getattr(tuned.head, name), getattr(base.head, name)
         assert (a - b).abs().max() <= b.abs().max() / 127 + 1e-6  # Q8_0 round trip
     assert torch.allclose(tuned.head.qkv_bias, base.head.qkv_bias)
+    # lineage: this run's data stays in train.data, earlier runs go to train.history, oldest first
+    tuned.step = 3
+    g1 = GGUFFile(tuned.write_gguf(sha256_cached(eng.model.source)))
+    assert g1.get("mtpllm.train.data") == "tuned text" and g1.get("mtpllm.train.history") == ["test text (6 steps)"]
+    again = Trainer(eng, windows, cfg, d / "mtp-again.gguf", "more text", init=str(d / "mtp-tuned.gguf"))
+    g2 = GGUFFile(again.write_gguf(sha256_cached(eng.model.source)))
+    assert g2.get("mtpllm.train.data") == "more text"
+    assert g2.get("mtpllm.train.history") == ["test text (6 steps)", "tuned text (3 steps)"]
+    from mtpllm.tools.inspect import format_text, inspect_file
+    assert "    - tuned text (3 steps)\n    - test text (6 steps)" in format_text(inspect_file(d / "mtp-again.gguf"))
     loss_init = float(tuned.batch_loss(tuned.order[:2]).detach())
     fresh = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, ffn=256, draft_vocab=100),
                     d / "mtp-fresh.gguf", "test text")

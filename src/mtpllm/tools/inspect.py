@@ -58,7 +58,7 @@ def mtp_info(g: GGUFFile) -> dict:
         info["problem"] = f"blk.*.nextn.* tensors present but {arch}.nextn_predict_layers is {n}"
     elif n > 0 and not blocks:
         info["problem"] = f"{arch}.nextn_predict_layers = {n} but no blk.*.nextn.* tensors"
-    for key in ("mtpllm.trunk_sha256", "mtpllm.train.data", "mtpllm.train.steps",
+    for key in ("mtpllm.trunk_sha256", "mtpllm.train.data", "mtpllm.train.steps", "mtpllm.train.history",
                 "mtpllm.eval.mean_acceptance_length", "mtpllm.eval.per_position"):
         if key in g.metadata:
             info[key.removeprefix("mtpllm.")] = g.metadata[key]
@@ -167,9 +167,12 @@ def format_text(r: dict, all_tensors: bool = False) -> str:
     lines.append("\n== mtp")
     if m["present"]:
         lines.append(f"  {m['kind']}: {m['nextn_predict_layers']} next-n layer(s), blocks {m['blocks']}")
-        for k in ("trunk_sha256", "train.data", "train.steps", "eval.mean_acceptance_length",
+        for k in ("trunk_sha256", "train.data", "train.steps", "train.history", "eval.mean_acceptance_length",
                   "eval.per_position", "draft_vocab_size"):
-            if k in m:
+            if k == "train.history" and k in m:
+                lines.append(f"  train.history: fine-tuned from {len(m[k])} earlier run(s), latest first:")
+                lines.extend(f"    - {h}" for h in reversed(m[k]))
+            elif k in m:
                 lines.append(f"  {k}: {m[k]}")
     else:
         lines.append("  none: this file has no MTP layers (use a head file with --mtp-head, train one with "

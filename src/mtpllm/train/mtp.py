@@ -459,6 +459,7 @@ class Trainer:
         if not windows:
             raise MtpllmError("train-mtp: not enough text for one training window; add data or lower --seq-len")
         self.eng, self.cfg, self.out, self.data_desc = engine, cfg, out, data_desc
+        self.history: list[str] = []  # earlier runs this head was fine-tuned from (--init)
         trunk = engine.model
         self.trunk = trunk
         self.device = torch.device(engine.device)
@@ -484,8 +485,10 @@ class Trainer:
         V = trunk.cfg.vocab_size
         if init_g is not None:
             self.head.load_gguf(init_g, trunk.cfg.n_layers)
-            self.data_desc = (f"{data_desc}; fine-tuned from a head trained on "
-                              f"{init_g.get('mtpllm.train.data', '?')} for {init_g.get('mtpllm.train.steps', '?')} steps")
+            # lineage: one entry per earlier run, oldest first ("DATA (N steps)"), kept apart from
+            # this run's own data (heads written before the history key carry it nested in train.data)
+            self.history = [str(x) for x in (init_g.get("mtpllm.train.history") or [])]
+            self.history.append(f"{init_g.get('mtpllm.train.data', '?')} ({init_g.get('mtpllm.train.steps', '?')} steps)")
             ids = init_g.get("mtpllm.draft_vocab")
             self.vocab = torch.tensor(sorted(int(x) for x in ids)) if ids else None
             if cfg.draft_vocab and cfg.draft_vocab < V:
@@ -719,6 +722,8 @@ class Trainer:
                 "mtpllm.train.steps": self.step, "mtpllm.train.seq_len": self.cfg.seq_len,
                 "mtpllm.train.final_loss": float(sum(self.losses[-20:]) / max(1, len(self.losses[-20:]))),
                 "mtpllm.train.seed": self.cfg.seed}
+        if self.history:
+            meta["mtpllm.train.history"] = list(self.history)
         if self.vocab is not None:
             meta["mtpllm.draft_vocab"] = [int(x) for x in self.vocab]
         meta.update(extra or {})
