@@ -573,3 +573,34 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         assert doc.ids and doc.states is not None and np.load(doc.states).shape[0] == len(doc.ids)
     with pytest.raises(SystemExit):
         sa.main(args[:-4] + ["--batch", "1", "-o", str(kept), "--states"])
+
+
+def test_short_documents_are_padded_windows_whose_padding_is_never_seen(setup, tiny_dir):
+    """A document shorter than --seq-len (a short answer) is one window of its own length, not
+    dropped. In a batch it is padded at the end; causal attention and the loss mask keep the
+    padding out, so a mixed batch's loss is exactly the position-weighted mean of the two windows'
+    losses computed alone."""
+    from mtpllm.train.mtp import MIN_WINDOW
+    eng, windows, d = setup
+    long, short = windows[0], windows[1][:20]
+    tr = Trainer(eng, [long, short], TrainConfig(steps=2, seq_len=48, batch=2, depth=1, feature_weight=0.0),
+                 d / "mtp-pad.gguf", "t")
+    with torch.no_grad():
+        both, l_long, l_short = (float(tr.batch_loss(b)) for b in ([0, 1], [0], [1]))
+    n_long, n_short = len(long) - 1, len(short) - 1  # bases j <= n - 2: the trunk's state j + 1 is real
+    assert both == pytest.approx((n_long * l_long + n_short * l_short) / (n_long + n_short), rel=1e-5)
+    assert abs(both - (l_long + l_short) / 2) > 1e-4  # the weighting is visible: a real check
+    deep = Trainer(eng, [long, short], TrainConfig(steps=3, seq_len=48, batch=2, depth=3, lr=3e-3, warmup=1),
+                   d / "mtp-pad3.gguf", "t")
+    deep.train(progress=None)
+    assert all(math.isfinite(x) for x in deep.losses)
+    # token_windows: a 20-token document is a window of 20; one under MIN_WINDOW tokens is dropped
+    f = tiny_dir / "short.jsonl"
+    import json
+    ids20 = windows[2][:20]
+    text20 = eng.tokenizer.decode(ids20)
+    f.write_text(json.dumps({"text": text20, "ids": ids20}) + "\n"
+                 + json.dumps({"text": eng.tokenizer.decode(ids20[:MIN_WINDOW - 1]),
+                               "ids": ids20[:MIN_WINDOW - 1]}) + "\n")
+    got = token_windows(eng.tokenizer, read_texts([str(f)]), 48, 10_000, 0)
+    assert got == [ids20]

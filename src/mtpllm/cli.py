@@ -305,8 +305,10 @@ def cmd_train_mtp(argv: list[str]) -> int:
               file=sys.stderr)
     origins: list = []
     windows = token_windows(eng.tokenizer, texts, cfg.seq_len, cfg.max_tokens, cfg.seed, origins)
-    n_tok = len(windows) * cfg.seq_len
-    print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}; "
+    n_tok = sum(len(w) for w in windows)
+    n_short = sum(len(w) < cfg.seq_len for w in windows)
+    print(f"training data: {len(texts)} documents, {n_tok} tokens in {len(windows)} windows of {cfg.seq_len}"
+          f"{f' ({n_short} shorter: short documents)' if n_short else ''}; "
           f"{cfg.steps} steps x {cfg.batch} windows on {device} ({precision})", file=sys.stderr)
     # names only: no local paths
     desc = (a.describe or ", ".join(Path(p).name for p in a.data)) + f" ({n_tok} tokens" + \

@@ -272,9 +272,13 @@ def read_texts(paths: list[str], exclude: set[str] = frozenset()) -> list[Doc]:
     return out
 
 
+MIN_WINDOW = 16  # shorter documents are not trained on
+
+
 def token_windows(tokenizer, texts: list[Doc], seq_len: int, max_tokens: int, seed: int,
                   origins: list | None = None) -> list[list[int]]:
-    """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all).
+    """Shuffle documents, tokenize, cut into windows of seq_len tokens (up to max_tokens in all); a
+    document shorter than seq_len (but at least MIN_WINDOW tokens) is one shorter window.
 
     A record that carries its token ids uses them when they decode to its text with this
     tokenizer (the exact tokens the model wrote), else its text is tokenized. With `origins` (a
@@ -294,6 +298,8 @@ def token_windows(tokenizer, texts: list[Doc], seq_len: int, max_tokens: int, se
         starts = list(range(0, len(ids) - seq_len + 1, seq_len))
         if starts and starts[-1] + seq_len < len(ids):
             starts.append(len(ids) - seq_len)  # the tail (e.g. the end of an answer), overlapping
+        if not starts and len(ids) >= MIN_WINDOW:
+            starts = [0]  # a short document (a short answer) is one window of its own length, padded in batches
         n_win = len(starts)
         take = min(n_win, max(1, per_doc // seq_len))
         first = rng.randrange(n_win - take + 1) if n_win else 0
@@ -301,7 +307,7 @@ def token_windows(tokenizer, texts: list[Doc], seq_len: int, max_tokens: int, se
             windows.append(ids[s:s + seq_len])
             if origins is not None:
                 origins.append((doc if ids is doc.ids else None, s))
-            total += seq_len
+            total += len(windows[-1])
             if total >= max_tokens:
                 return windows
     return windows
@@ -640,10 +646,14 @@ class Trainer:
         against the trunk's distribution of t_{j+2} (its logits at j+1). Position s > 1 (depth):
         it reads its own previous output in place of h_{j+s-1}, as in speculative decoding, with
         token t_{j+s}, and is scored against the trunk's distribution of t_{j+s+1}."""
-        S = len(self.windows[idx[0]])
+        lens = [len(self.windows[i]) for i in idx]
+        S = max(lens)
         with torch.no_grad():  # inputs and teacher: constants of the step
-            h = torch.stack([self.hidden.get(i) for i in idx]).to(self.device)  # [B, S, D] final-normed trunk states
-            tok = torch.tensor([self.windows[i] for i in idx], device=self.device)
+            # shorter windows are padded at the end (state 0, token 0) and their padding is never
+            # scored; attention is causal, so a real position never sees the padding
+            h = torch.stack([F.pad(self.hidden.get(i), (0, 0, 0, S - n)) for i, n in zip(idx, lens)]).to(self.device)
+            tok = torch.tensor([self.windows[i] + [0] * (S - n) for i, n in zip(idx, lens)], device=self.device)
+            valid = torch.tensor(lens, device=self.device)
         depth = min(self.cfg.depth, S - 2)
         ctx = self._context_rows(idx, S)  # a prediction made at trunk position r: candidates known there
         at = (lambda r0: None) if ctx is None else (lambda r0: (ctx[0], ctx[1][:, r0:]))
@@ -656,8 +666,10 @@ class Trainer:
             emb, tgt = embs[:, s:], teacher[:, s - 1:]  # tokens t_{j+s}; the trunk's logits at j+s
             nxt = h[:, s:]
             # base j at this position predicts token j+s+1: scored when that is an answer token
-            mask = (torch.arange(S - s, device=self.device)[None, :] + s + 1 >= first[:, None]).float() \
-                if bool(first.any()) else None
+            # the predicted token's position; the teacher's state for it (tpos - 1) must be a real one
+            tpos = torch.arange(S - s, device=self.device)[None, :] + s + 1
+            mask = ((tpos >= first[:, None]) & (tpos <= valid[:, None])).float() \
+                if bool(first.any()) or min(lens) < S else None
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
                 out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
                 loss = loss + w * self._step_loss(out, tgt, nxt, mask, at(s))
