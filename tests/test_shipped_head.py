@@ -56,10 +56,10 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 1.90 when trained
-# (592 of 1977 drafted tokens over 659 drafts, with the request's own tokens as draft candidates;
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.07 when trained
+# (646 of 1815 drafted tokens over 605 drafts, with the request's own tokens as draft candidates;
 # the same bits on every run here, like the 0.5B's).
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 1.85
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.0
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
