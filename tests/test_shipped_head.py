@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
 # 2.04 when trained (651 of 1875 drafted tokens over 625 drafts), the same on every run here (greedy,
 # and the kernels give the same bits on AVX2 and AVX-512 VNNI). The bar is the issue's: above 2.0.
-SHIPPED_MIN_MEAN_ACCEPTANCE = 2.0
+SHIPPED_MIN_MEAN_ACCEPTANCE = 2.2
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
 # The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.07 when trained
 # (646 of 1815 drafted tokens over 605 drafts, with the request's own tokens as draft candidates;
 # the same bits on every run here, like the 0.5B's).
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.0
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.1
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
