@@ -16,8 +16,9 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
-# 2.04 when trained (651 of 1875 drafted tokens over 625 drafts), the same on every run here (greedy,
-# and the kernels give the same bits on AVX2 and AVX-512 VNNI). The bar is the issue's: above 2.0.
+# 2.32 when trained (728 of 1656 drafted tokens over 552 drafts), the same on every run here (greedy,
+# and the kernels give the same bits on AVX2 and AVX-512 VNNI). The issue asks above 2.0; the bar keeps
+# this head's margin over the previous one (2.04).
 SHIPPED_MIN_MEAN_ACCEPTANCE = 2.2
 
 
@@ -56,8 +57,8 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.07 when trained
-# (646 of 1815 drafted tokens over 605 drafts, with the request's own tokens as draft candidates;
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.18 when trained
+# (678 of 1722 drafted tokens over 574 drafts, with the request's own tokens as draft candidates;
 # the same bits on every run here, like the 0.5B's).
 SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.1
 

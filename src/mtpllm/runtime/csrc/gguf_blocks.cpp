@@ -306,6 +306,8 @@ struct ActK {  // R consecutive rows of x quantized per 256
   const int16_t* bs;  // [R, K/16]: sums of codes per 16
   const int16_t* b32; // [R, K/32]: sums of codes per 32
   int64_t K;
+  // the same view from row m on
+  ActK from(int64_t m) const { return {q + m * K, d + m * (K / 256), s + m * (K / 32), bs + m * (K / 16), b32 + m * (K / 32), K}; }
 };
 
 // One super-block of a weight row, ready for integer products: the codes of group g (32 weights),
@@ -467,7 +469,7 @@ void krows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const
     const int64_t nb1 = std::min(nb0 + KNB, n1);
     for (int64_t m = 0; m < M; m += KRM) {
       const int rm = static_cast<int>(std::min<int64_t>(KRM, M - m));
-      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), xk.b32 + m * (K / 32), K};
+      const ActK a = xk.from(m);
       __m256 acc[KNB * KRM];
       for (int64_t n = 0; n < nb1 - nb0; ++n)  // only the tile's rows (decoding: one per weight row)
         for (int r = 0; r < rm; ++r) acc[n * KRM + r] = _mm256_setzero_ps();
@@ -723,7 +725,7 @@ void x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, cons
     if (M > X8_RM && (grp + 1) * 8 < n1 && x16_enabled()) {
       for (int64_t m = 0; m < M; m += X8_RM) {
         const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-        const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), xk.b32 + m * (K / 32), K};
+        const ActK a = xk.from(m);
         __m512 facc[X8_RM];
         for (int r = 0; r < X8_RM; ++r) facc[r] = _mm512_setzero_ps();
         x16_tile_rm(rm, blk, blk + group_bytes, nsb, a, facc);
@@ -735,7 +737,7 @@ void x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, cons
 #endif
     for (int64_t m = 0; m < M; m += X8_RM) {
       const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-      const ActK a{xk.q + m * K, xk.d + m * nsb, xk.s + m * (K / 32), xk.bs + m * (K / 16), xk.b32 + m * (K / 32), K};
+      const ActK a = xk.from(m);
       __m256 facc[X8_RM];
       for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
       x8_tile_rm(rm, blk, nsb, a, facc);
