@@ -328,8 +328,8 @@ def test_gguf_kernel_rows_are_independent_of_batch_and_threads():
     """Each output row depends only on its own input row (bit for bit), whatever the batch size or
     the thread count: speculative verification equals one-token decoding."""
     n, k = 304, 1024
-    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, kernels.Q4_KX8):
-        w = _blocks(_raw(qtype, n, k, 3)) if qtype != kernels.Q4_KX8 else _x8(n, k, 3)
+    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, kernels.Q4_KX8, kernels.Q6_KX8):
+        w = _blocks(_raw(qtype, n, k, 3)) if qtype not in kernels.KX8_TYPES else _x8(n, k, 3, qtype)
         x = torch.randn(7, k)
         full = kernels.gguf_linear(x, [w], [int(qtype)])
         for i in range(7):
@@ -391,43 +391,47 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     assert torch.equal(sub(x), head(x)[:, ids])
 
 
-def _x8(n, k, seed):
-    return kernels.gguf_repack(_blocks(_raw(QT.Q4_K, n, k, seed)), int(QT.Q4_K), k)
+def _x8(n, k, seed, t8=kernels.Q4_KX8):
+    qtype = QT.Q4_K if t8 == kernels.Q4_KX8 else QT.Q6_K
+    return kernels.gguf_repack(_blocks(_raw(qtype, n, k, seed)), int(qtype), k)
 
 
 @needs_kernel
-def test_q4k_repacked_by_8_rows_is_exact():
-    """Q4_K repacked by 8 rows (the kernel's layout: codes of 8 rows interleaved by 4, scales and
-    mins unpacked) holds exactly the file's weights; what cannot be repacked is refused."""
+@pytest.mark.parametrize("qtype,nbytes", [(QT.Q4_K, 1184), (QT.Q6_K, 1680)])
+def test_kquant_repacked_by_8_rows_is_exact(qtype, nbytes):
+    """Q4_K / Q6_K repacked by 8 rows (the kernel's layout: 8 codes of each of 8 rows per 64 bytes,
+    scales unpacked) hold exactly the file's weights; what cannot be repacked is refused."""
     n, k = 24, 768
-    raw = _raw(QT.Q4_K, n, k, 5)
-    x8 = kernels.gguf_repack(_blocks(raw), int(QT.Q4_K), k)
-    assert x8.shape == (n // 8, k // 256 * 1184)
-    assert torch.equal(kernels.gguf_dequantize([x8], [kernels.Q4_KX8], k), dequantize(raw, QT.Q4_K, (n, k)))
+    raw = _raw(qtype, n, k, 5)
+    x8 = kernels.gguf_repack(_blocks(raw), int(qtype), k)
+    t8 = kernels.X8_OF[int(qtype)]
+    assert x8.shape == (n // 8, k // 256 * nbytes)
+    assert torch.equal(kernels.gguf_dequantize([x8], [t8], k), dequantize(raw, qtype, (n, k)))
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        kernels.gguf_repack(_blocks(_raw(QT.Q4_K, 12, k, 5)), int(QT.Q4_K), k)
-    with pytest.raises(RuntimeError, match="Q4_K, Q4_0, Q5_0 and Q8_0"):
-        kernels.gguf_repack(_blocks(_raw(QT.Q6_K, 8, k, 5)), int(QT.Q6_K), k)
-    with pytest.raises(RuntimeError, match="Q4_Kx8 weights"):
-        kernels.gguf_linear(torch.randn(1, 512), [x8], [kernels.Q4_KX8])
+        kernels.gguf_repack(_blocks(_raw(qtype, 12, k, 5)), int(qtype), k)
+    with pytest.raises(RuntimeError, match="Q4_K, Q6_K, Q4_0, Q5_0 and Q8_0"):
+        kernels.gguf_repack(_blocks(_raw(QT.Q5_K, 8, k, 5)), int(QT.Q5_K), k)
+    with pytest.raises(RuntimeError, match="_Kx8 weights"):
+        kernels.gguf_linear(torch.randn(1, 512), [x8], [t8])
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
-def test_repacked_q4k_kernel_matches_reference(m):
-    """The 8-row kernel computes the K-quant formula (x quantized per 256, integer sums per
+def test_repacked_kquant_kernel_matches_reference(qtype, m):
+    """The 8-row kernels compute the K-quant formula (x quantized per 256, integer sums per
     super-block) to float32 accumulation error, and the exact product within the
     activation-rounding bound, for every tile of x rows (4 per tile with VNNI, 2 with AVX2, and
-    the remainders); it matches the one-row Q4_K kernel to rounding."""
+    the remainders); they match the one-row kernels of the file's blocks to rounding."""
     n, k = 48, 1280
-    raw = _raw(QT.Q4_K, n, k, 8)
-    w = dequantize(raw, QT.Q4_K, (n, k))
+    raw = _raw(qtype, n, k, 8)
+    w = dequantize(raw, qtype, (n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] *= 20
-    y = kernels.gguf_linear(x, [kernels.gguf_repack(_blocks(raw), int(QT.Q4_K), k)], [kernels.Q4_KX8])
+    y = kernels.gguf_linear(x, [kernels.gguf_repack(_blocks(raw), int(qtype), k)], [kernels.X8_OF[int(qtype)]])
     ref = _kernel_reference(x, w, 256)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    torch.testing.assert_close(y, kernels.gguf_linear(x, [_blocks(raw)], [int(QT.Q4_K)]), rtol=1e-5,
+    torch.testing.assert_close(y, kernels.gguf_linear(x, [_blocks(raw)], [int(qtype)]), rtol=1e-5,
                                atol=1e-5 * float(ref.abs().max()))
     exact = x.double() @ w.double().t()
     d = x.double().reshape(m, k // 256, 256).abs().amax(-1) / 127
@@ -438,7 +442,7 @@ def test_repacked_q4k_kernel_matches_reference(m):
 @needs_kernel
 @pytest.mark.parametrize("types,k", [((QT.Q4_K, QT.Q6_K, QT.Q4_K), 512), ((QT.Q5_0, QT.Q8_0, QT.Q5_0), 256)])
 def test_linear_repacks_at_load(tmp_path, monkeypatch, types, k):
-    """A model's Q4_K / Q5_0 / Q8_0 matrices (rows divisible by 8) run repacked by 8 rows, fused with
+    """A model's Q4_K / Q6_K / Q5_0 / Q8_0 matrices (rows divisible by 8) run repacked by 8 rows, fused with
     other types in one call; MTPLLM_REPACK=0 keeps the file's blocks; both give the same products
     to rounding (Q5_0/Q8_0 prompt chunks: exactly), and `rows` / `dequantized` still give the
     file's weights."""
@@ -577,7 +581,7 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(100 + m))
         x[:, 7] *= 30
         data.append((x, _x8(40, 1024, 30), kernels.Q4_KX8, "gguf_linear"))
-        for qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0):
+        for qtype in (QT.Q6_K, QT.Q4_0, QT.Q5_0, QT.Q8_0):
             data.append((x, kernels.gguf_repack(_blocks(_raw(qtype, 40, 1024, 31)), int(qtype), 1024),
                          kernels.X8_OF[int(qtype)], "gguf_linear"))
     torch.save(data, tmp_path / "in.pt")

@@ -3,7 +3,7 @@
 - `gguf_linear(x, blocks, types)`: float32 activations times weights that are the GGUF file's own
   blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place from the file mapping
   (csrc/gguf_blocks.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings);
-  `gguf_repack` lays Q4_K out by 8 rows for its faster kernel (type `Q4_KX8`).
+  `gguf_repack` lays Q4_K / Q6_K out by 8 rows for their faster kernels (types `Q4_KX8`, `Q6_KX8`).
 - `q8_linear(x, codes, scales, mins, group)`: the same for other types, kept as integer codes with
   per-group scales (csrc/qgemv.cpp).
 - `rms_norm`, `attend_cached`: the small per-layer operators of decoding fused (csrc/attention.cpp).
@@ -184,19 +184,22 @@ def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> to
     return _op("gguf_dequantize")(weights, types, k)
 
 
-# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8", "Q4_0x8",
-# "Q5_0x8", "Q8_0x8"): gguf_linear and gguf_dequantize take them like GGML types, with weights
-# uint8 [N / 8, K / 256 * 1184] (Q4_Kx8), [N / 8, K / 32 * 144 | 176 | 272] (Q4_0x8 | Q5_0x8 | Q8_0x8)
-Q4_KX8, Q4_0X8, Q5_0X8, Q8_0X8 = 1012, 1002, 1006, 1008
-X8_TYPES = (Q4_KX8, Q4_0X8, Q5_0X8, Q8_0X8)
+# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8", "Q6_Kx8",
+# "Q4_0x8", "Q5_0x8", "Q8_0x8"): gguf_linear and gguf_dequantize take them like GGML types, with weights
+# uint8 [N / 8, K / 256 * 1184 | 1680] (Q4_Kx8 | Q6_Kx8), [N / 8, K / 32 * 144 | 176 | 272] (Q4_0x8 |
+# Q5_0x8 | Q8_0x8)
+Q4_KX8, Q6_KX8, Q4_0X8, Q5_0X8, Q8_0X8 = 1012, 1014, 1002, 1006, 1008
+X8_TYPES = (Q4_KX8, Q6_KX8, Q4_0X8, Q5_0X8, Q8_0X8)
+KX8_TYPES = (Q4_KX8, Q6_KX8)  # the K-quant ones (activations quantized per 256)
 # GGML type id -> its 8-row layout
-X8_OF = {12: Q4_KX8, 2: Q4_0X8, 6: Q5_0X8, 8: Q8_0X8}
+X8_OF = {12: Q4_KX8, 14: Q6_KX8, 2: Q4_0X8, 6: Q5_0X8, 8: Q8_0X8}
 
 
 def gguf_repack(weight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    """Q4_K / Q4_0 / Q5_0 / Q8_0 blocks uint8 [N, row bytes] (N % 8 == 0) -> their 8-row layout (type
-    `X8_OF[qtype]`): the 8 rows of each group interleaved so one vector instruction multiplies 4
-    weights of 8 rows; the same number of bytes as the file's blocks (Q4_Kx8: 2.8% more)."""
+    """Q4_K / Q6_K / Q4_0 / Q5_0 / Q8_0 blocks uint8 [N, row bytes] (N % 8 == 0) -> their 8-row layout
+    (type `X8_OF[qtype]`): the 8 rows of each group interleaved so one vector instruction multiplies
+    weights of 8 rows (K-quants: 8 of each per 512-bit register, 4 per 32-bit lane for the 32-weight
+    types); the same number of bytes as the file's blocks (Q4_Kx8: 2.8% more)."""
     return _op("gguf_repack")(weight, qtype, k)
 
 

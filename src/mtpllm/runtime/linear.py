@@ -242,7 +242,7 @@ class Linear(torch.nn.Module):
         # what the kernel multiplies: the file's blocks, or Q4_K repacked by 8 rows (`repack`)
         self._gw = [w for w, _ in packed or self.ggufs]
         self._gt = [t for _, t in packed or self.ggufs]
-        self._kquant = bool(self._gt) and all(t in K_QUANTS or t == kernels.Q4_KX8 for t in self._gt)
+        self._kquant = bool(self._gt) and all(t in K_QUANTS or t in kernels.KX8_TYPES for t in self._gt)
         # every part has an integer prompt-chunk kernel (K-quants, Q4_0/Q5_0/Q8_0's 8-row GEMM)
         self._chunked = bool(self._gt) and all(t in K_QUANTS or t in CHUNK_TYPES or t in kernels.X8_TYPES
                                                for t in self._gt)
@@ -347,12 +347,13 @@ class Linear(torch.nn.Module):
 
 
 def repack_enabled() -> bool:
-    """Q4_K matrices are repacked by 8 rows at load (`kernels.gguf_repack`) unless MTPLLM_REPACK=0."""
+    """Q4_K / Q6_K / Q4_0 / Q5_0 / Q8_0 matrices are repacked by 8 rows at load (`kernels.gguf_repack`)
+    unless MTPLLM_REPACK=0."""
     return os.environ.get("MTPLLM_REPACK", "1") != "0"
 
 
 def repack(g: GGUFFile, name: str, w: torch.Tensor, qtype: int, k: int) -> tuple[torch.Tensor, int]:
-    """The kernel's copy of one file tensor: Q4_K, Q4_0, Q5_0 and Q8_0 with a row count divisible
+    """The kernel's copy of one file tensor: Q4_K, Q6_K, Q4_0, Q5_0 and Q8_0 with a row count divisible
     by 8 repacked by 8 rows (one vector instruction then multiplies 4 weights of 8 rows, and the per-block
     scale and float work is shared by the 8: Q4_K one-row products ~2x faster from cache, Q5_0's at
     the memory bandwidth instead of ~2/3 of it, verification rows 1.3-2x faster). Q4_0/Q5_0/Q8_0 rows then

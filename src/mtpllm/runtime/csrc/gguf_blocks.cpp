@@ -514,98 +514,150 @@ void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const 
 }
 
 // Q4_K repacked by 8 rows ("Q4_Kx8", engine type id Q4_KX8; `gguf_repack` builds it at load). The
-// 8 rows' super-blocks i are stored together so that one 256-bit register holds 4 codes of each of
-// the 8 rows: one vpdpbusd multiplies them by 4 broadcast activations (u4 x s8, summed per row
-// into int32). The 8 rows' scales, mins, d and dmin then come as vectors, and a super-block's
-// scale, min and float work is done once for 8 rows instead of per row (the one-row kernel spends
-// more on that than on the products). One block of 8 rows x 256 weights, X8_BYTES:
-//   qs [1024]: group g (32 weights), chunk c: 32 bytes at 128 g + 32 c, byte 4 r + j of row r =
-//              code 4 c + j of the group (low nibble) and code 16 + 4 c + j (high nibble)
+// 8 rows' super-blocks i are stored together so that one register holds 8 codes of each of 4 rows
+// (256 bits) or 8 rows (512 bits): a broadcast of 8 activations and one vpdpbusd multiply them, the
+// sums of each row's two 4-code halves landing in its two 32-bit lanes. The 8 rows' scales, mins, d
+// and dmin then come as vectors, and a super-block's scale, min and float work is done once for 8
+// rows instead of per row (the one-row kernel spends more on that than on the products). One block of
+// 8 rows x 256 weights, X8_BYTES:
+//   qs [1024]: group g (32 weights), pair p: 64 bytes at 128 g + 64 p, byte 8 r + k of row r = code
+//              8 p + k of the group (low nibble) and code 16 + 8 p + k (high nibble)
 //   sc [64]:   byte 8 g + r = the 6-bit scale of row r, group g
 //   mn [64]:   byte 16 p + 2 r + h = the 6-bit min of row r, group 2 p + h (int16 pairs once widened)
 //   d [8], dmin [8]: float16 per row
 // Row r, super-block i: y += d * dx * sum_g sc_g * (q_g . x_g) - dmin * dx * sum_g mn_g * sum(x_g),
-// both sums in int32 (exact; the same integers in the AVX2 and VNNI builds), then two float
+// both sums in int32 (exact: the same integers in every build and tile), then two float
 // multiply-adds per super-block, in super-block order: each output depends on its own row of x only.
 constexpr int64_t Q4_KX8 = 1012, X8_BYTES = 1184, X8_SC = 1024, X8_MN = 1088, X8_D = 1152, X8_DMIN = 1168;
 
-// the 8 rows' products over super-blocks [0, nsb) for RM rows of x (m0.. of ActK a) into facc
+inline int64_t load8(const int8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+// bytes 0..7 of v each twice: the byte of row r in 16-bit lane r (a row's scale for both its lanes)
+inline __m128i dup_bytes(__m128i v) { return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)); }
+
+// the min sums of super-block i (block b) for RM rows of x: macc[r] lane n = sum_g mn_g(n) * sum(x_g)
+template <int RM>
+__attribute__((always_inline)) inline void x8_mins(const uint8_t* b, const ActK& a, int64_t i, __m256i* macc) {
+  for (int r = 0; r < RM; ++r) macc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_MN + 16 * p)));
+    for (int r = 0; r < RM; ++r) {
+      int32_t xb;
+      std::memcpy(&xb, a.b32 + r * (a.K / 32) + i * 8 + 2 * p, 4);
+#if MTPLLM_VNNI
+      macc[r] = _mm256_dpwssd_epi32(macc[r], mn, _mm256_set1_epi32(xb));
+#else
+      macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(xb)));
+#endif
+    }
+  }
+}
+
+// facc[r] += d * dx * sacc[r] - dmin * dx * macc[r] (super-block i, block b)
+template <int RM>
+__attribute__((always_inline)) inline void x8_finish(const uint8_t* b, const ActK& a, int64_t i, const __m256i* sacc,
+                                                     const __m256i* macc, __m256* facc) {
+  const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_D)));
+  const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_DMIN)));
+  for (int r = 0; r < RM; ++r) {
+    const __m256 dx = _mm256_set1_ps(a.d[r * (a.K / 256) + i]);
+    facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sacc[r]), _mm256_mul_ps(d8, dx), facc[r]);
+    facc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(macc[r]), _mm256_mul_ps(m8, dx), facc[r]);
+  }
+}
+
+#if MTPLLM_VNNI
+constexpr int X8_RM = 4;  // rows of x per tile (32 vector registers)
+
+// the 8 rows' products over super-blocks [0, nsb) for RM rows of x (ActK a) into facc. 512-bit
+// registers: a pair's 64 bytes are 8 codes of all 8 rows, lanes 2 r and 2 r + 1 row r's.
+template <int RM>
+inline void x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m256 facc[RM];
+  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * X8_BYTES;
+    __m512i sacc[RM];
+    for (int r = 0; r < RM; ++r) sacc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g + 64), _MM_HINT_T0);
+      __m512i acc[RM];  // |lane| <= 16 * 15 * 127 < 2^15: its low 16 bits are the value
+      for (int r = 0; r < RM; ++r) acc[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        const __m512i raw = _mm512_loadu_si512(b + 128 * g + 64 * p);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 8 * p;
+          acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi64(load8(x)));
+          acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi64(load8(x + 16)));
+        }
+      }
+      // the scale of row r in lanes 2 r, 2 r + 1 as int16 pairs (scale, 0): vpdpwssd adds acc * scale
+      const __m512i sc = _mm512_cvtepu8_epi32(dup_bytes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + X8_SC + 8 * g))));
+      for (int r = 0; r < RM; ++r) sacc[r] = _mm512_dpwssd_epi32(sacc[r], acc[r], sc);
+    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r)  // row r's two lanes summed, in lane r
+      s[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(sacc[r], _mm512_srli_epi64(sacc[r], 32)));
+    x8_mins<RM>(b, a, i, macc);
+    x8_finish<RM>(b, a, i, s, macc, facc);
+  }
+  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
+}
+#else
+constexpr int X8_RM = 2;  // 16 registers
+
+// the same on 256-bit registers: half q of a pair's 64 bytes holds 8 codes of rows 4 q .. 4 q + 3
 template <int RM>
 inline void x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 facc[RM];
   for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
-  const int64_t nsk = a.K / 256;
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = blk + i * X8_BYTES;
-    __m256i sacc[RM], macc[RM];
-    for (int r = 0; r < RM; ++r) sacc[r] = macc[r] = _mm256_setzero_si256();
+    __m256i sacc[2][RM];
+    for (int r = 0; r < RM; ++r) sacc[0][r] = sacc[1][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      for (int c = 0; c < 4; c += 2)
-        _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g + 32 * c), _MM_HINT_T0);
-#if MTPLLM_VNNI
-      __m256i lo_acc[RM], hi_acc[RM];
-      for (int r = 0; r < RM; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_si256();
-#else
-      __m256i acc16[RM];
-      for (int r = 0; r < RM; ++r) acc16[r] = _mm256_setzero_si256();
-#endif
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m256i raw = loadu(b + 128 * g + 32 * c);
-        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        for (int r = 0; r < RM; ++r) {
-          const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 4 * c;
-          int32_t xl, xh;
-          std::memcpy(&xl, x, 4);
-          std::memcpy(&xh, x + 16, 4);
-#if MTPLLM_VNNI
-          lo_acc[r] = _mm256_dpbusd_epi32(lo_acc[r], lo, _mm256_set1_epi32(xl));
-          hi_acc[r] = _mm256_dpbusd_epi32(hi_acc[r], hi, _mm256_set1_epi32(xh));
-#else  // pairs of u4 x s8 products: at most 2 * 15 * 127 each, 8 of them fit int16
-          acc16[r] = _mm256_add_epi16(acc16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
-                                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))));
-#endif
+      _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g + 64), _MM_HINT_T0);
+      __m256i acc[2][RM];  // 16-bit lanes of 4 pairs of u4 x s8 products: at most 4 * 2 * 15 * 127
+      for (int r = 0; r < RM; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p)
+        for (int q = 0; q < 2; ++q) {
+          const __m256i raw = loadu(b + 128 * g + 64 * p + 32 * q);
+          const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+          for (int r = 0; r < RM; ++r) {
+            const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 8 * p;
+            const __m256i xl = _mm256_set1_epi64x(load8(x)), xh = _mm256_set1_epi64x(load8(x + 16));
+            acc[q][r] = _mm256_add_epi16(acc[q][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+          }
         }
-      }
-      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + X8_SC + 8 * g)));
-      for (int r = 0; r < RM; ++r) {
-#if MTPLLM_VNNI
-        sacc[r] = _mm256_add_epi32(sacc[r], _mm256_mullo_epi32(_mm256_add_epi32(lo_acc[r], hi_acc[r]), sc));
-#else
-        sacc[r] = _mm256_add_epi32(sacc[r], _mm256_madd_epi16(acc16[r], _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16))));
-#endif
+      const __m128i sd = dup_bytes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + X8_SC + 8 * g)));
+      for (int q = 0; q < 2; ++q) {
+        const __m256i sc = _mm256_cvtepu8_epi32(q ? _mm_srli_si128(sd, 8) : sd);
+        const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // int16 pairs (scale, scale)
+        for (int r = 0; r < RM; ++r) sacc[q][r] = _mm256_add_epi32(sacc[q][r], _mm256_madd_epi16(acc[q][r], sc16));
       }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_MN + 16 * p)));
-      for (int r = 0; r < RM; ++r) {
-        int32_t xb;
-        std::memcpy(&xb, a.b32 + r * (a.K / 32) + i * 8 + 2 * p, 4);
-#if MTPLLM_VNNI
-        macc[r] = _mm256_dpwssd_epi32(macc[r], mn, _mm256_set1_epi32(xb));
-#else
-        macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(xb)));
-#endif
-      }
-    }
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_D)));
-    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_DMIN)));
-    for (int r = 0; r < RM; ++r) {
-      const __m256 dx = _mm256_set1_ps(a.d[r * nsk + i]);
-      facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sacc[r]), _mm256_mul_ps(d8, dx), facc[r]);
-      facc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(macc[r]), _mm256_mul_ps(m8, dx), facc[r]);
-    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r)  // lanes [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order
+      s[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sacc[0][r], sacc[1][r]), 0xD8);
+    x8_mins<RM>(b, a, i, macc);
+    x8_finish<RM>(b, a, i, s, macc, facc);
   }
   for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
 }
-
-#if MTPLLM_VNNI
-constexpr int X8_RM = 4;  // rows of x per tile (32 vector registers)
-#else
-constexpr int X8_RM = 2;  // 16 registers
 #endif
 
 template <int RM = X8_RM>
@@ -616,131 +668,18 @@ inline void x8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, _
   x8_tile<RM>(blk, nsb, a, facc);
 }
 
-#if MTPLLM_VNNI
-// Two row groups of a Q4_Kx8 matrix at once on 512-bit registers: the low half of every register is
-// group 0's, the high half group 1's, so one vpdpbusd multiplies 4 weights of 16 rows by 4 broadcast
-// activations. Per output row these are exactly x8_tile's integer sums and float operations, in the
-// same order (bit-identical results); the instruction count per product is halved, which is what
-// prompt chunks and batches are bound by on CPUs with full-width AVX-512 units (Zen 5; double-pumped
-// ones, Zen 4, should break even: not measured).
-inline __m512i load2(const uint8_t* p0, const uint8_t* p1) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(loadu(p0)), loadu(p1), 1);
-}
-
-template <int RM>
-inline void x16_tile(const uint8_t* blk0, const uint8_t* blk1, int64_t nsb, const ActK& a, __m512* facc_out) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512 facc[RM];
-  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
-  const int64_t nsk = a.K / 256;
-  for (int64_t i = 0; i < nsb; ++i) {
-    const uint8_t* b0 = blk0 + i * X8_BYTES;
-    const uint8_t* b1 = blk1 + i * X8_BYTES;
-    __m512i sacc[RM], macc[RM];
-    for (int r = 0; r < RM; ++r) sacc[r] = macc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; ++g) {
-      for (int c = 0; c < 4; c += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(b0 + PF + 128 * g + 32 * c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b1 + PF + 128 * g + 32 * c), _MM_HINT_T0);
-      }
-      __m512i lo_acc[RM], hi_acc[RM];
-      for (int r = 0; r < RM; ++r) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m512i raw = load2(b0 + 128 * g + 32 * c, b1 + 128 * g + 32 * c);
-        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-        for (int r = 0; r < RM; ++r) {
-          const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 4 * c;
-          int32_t xl, xh;
-          std::memcpy(&xl, x, 4);
-          std::memcpy(&xh, x + 16, 4);
-          lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, _mm512_set1_epi32(xl));
-          hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(xh));
-        }
-      }
-      const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b0 + X8_SC + 8 * g)),
-                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b1 + X8_SC + 8 * g)));
-      const __m512i sc = _mm512_cvtepu8_epi32(sc8);
-      for (int r = 0; r < RM; ++r)
-        sacc[r] = _mm512_add_epi32(sacc[r], _mm512_mullo_epi32(_mm512_add_epi32(lo_acc[r], hi_acc[r]), sc));
-    }
-#pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i mn8 = _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + X8_MN + 16 * p))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + X8_MN + 16 * p)), 1);
-      const __m512i mn = _mm512_cvtepu8_epi16(mn8);
-      for (int r = 0; r < RM; ++r) {
-        int32_t xb;
-        std::memcpy(&xb, a.b32 + r * (a.K / 32) + i * 8 + 2 * p, 4);
-        macc[r] = _mm512_dpwssd_epi32(macc[r], mn, _mm512_set1_epi32(xb));
-      }
-    }
-    const __m512 d8 = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + X8_D))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + X8_D)), 1));
-    const __m512 m8 = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + X8_DMIN))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + X8_DMIN)), 1));
-    for (int r = 0; r < RM; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.d[r * nsk + i]);
-      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sacc[r]), _mm512_mul_ps(d8, dx), facc[r]);
-      facc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(macc[r]), _mm512_mul_ps(m8, dx), facc[r]);
-    }
-  }
-  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
-}
-
-template <int RM = X8_RM>
-inline void x16_tile_rm(int rm, const uint8_t* blk0, const uint8_t* blk1, int64_t nsb, const ActK& a, __m512* facc) {
-  if constexpr (RM > 1) {
-    if (rm < RM) return x16_tile_rm<RM - 1>(rm, blk0, blk1, nsb, a, facc);
-  }
-  x16_tile<RM>(blk0, blk1, nsb, a, facc);
-}
-
-// whether x8_rows pairs row groups on 512-bit registers (MTPLLM_X16=0: one group at a time)
-inline bool x16_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("MTPLLM_X16");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-#endif
-
 // Output rows [n0, n1) of a Q4_Kx8 matrix (row groups of 8 starting in that range) against the M
 // rows of x into y (row stride ldy)
 void x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
              int64_t ldy) {
-  const int64_t K = xk.K, nsb = K / 256;
+  const int64_t nsb = xk.K / 256;
   for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp) {
     const uint8_t* blk = w + grp * group_bytes;
-#if MTPLLM_VNNI
-    // this group and the next one together, where x has more rows than one tile: then the groups'
-    // weights are read from cache by every tile and the products bound the time (prompt chunks,
-    // batches: 1.3-1.9x at 12-64 rows of the 1.5B's gate/up); up to one tile (decoding,
-    // verification) the weight stream does, and pairing gained nothing there
-    if (M > X8_RM && (grp + 1) * 8 < n1 && x16_enabled()) {
-      for (int64_t m = 0; m < M; m += X8_RM) {
-        const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-        const ActK a = xk.from(m);
-        __m512 facc[X8_RM];
-        for (int r = 0; r < X8_RM; ++r) facc[r] = _mm512_setzero_ps();
-        x16_tile_rm(rm, blk, blk + group_bytes, nsb, a, facc);
-        for (int r = 0; r < rm; ++r) _mm512_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
-      }
-      ++grp;
-      continue;
-    }
-#endif
     for (int64_t m = 0; m < M; m += X8_RM) {
       const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-      const ActK a = xk.from(m);
       __m256 facc[X8_RM];
       for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
-      x8_tile_rm(rm, blk, nsb, a, facc);
+      x8_tile_rm(rm, blk, nsb, xk.from(m), facc);
       for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
     }
   }
@@ -761,7 +700,7 @@ void x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int
           const uint8_t mn = g < 4 ? (s[g + 4] & 63) : ((s[g + 4] >> 4) | ((s[g] >> 6) << 4));
           o[X8_SC + 8 * g + r] = sc;
           o[X8_MN + 16 * (g / 2) + 2 * r + (g & 1)] = mn;
-          // codes of group g: nibble g & 1 of 32 bytes; codes t and 16 + t share output byte t
+          // codes of group g: nibble g & 1 of 32 bytes; codes t and 16 + t share byte t of v
           const __m128i m4 = _mm_set1_epi8(0x0F);
           const uint8_t* qs = b + 16 + 32 * (g / 2);
           __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -770,10 +709,9 @@ void x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int
             lo = _mm_srli_epi16(lo, 4);
             hi = _mm_srli_epi16(hi, 4);
           }
-          const __m128i v = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m4), 4));
-          alignas(16) uint32_t words[4];
-          _mm_store_si128(reinterpret_cast<__m128i*>(words), v);
-          for (int c = 0; c < 4; ++c) std::memcpy(o + 128 * g + 32 * c + 4 * r, words + c, 4);  // bytes 4c..4c+3
+          alignas(16) uint8_t v[16];
+          _mm_store_si128(reinterpret_cast<__m128i*>(v), _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m4), 4)));
+          for (int p = 0; p < 2; ++p) std::memcpy(o + 128 * g + 64 * p + 8 * r, v + 8 * p, 8);
         }
       }
     }
@@ -791,13 +729,237 @@ void x8_dequant(const uint8_t* w, int64_t nsb, int64_t n0, int64_t n1, float* y)
         const float d = f16(b + X8_D + 2 * r), dmin = f16(b + X8_DMIN + 2 * r);
         for (int g = 0; g < 8; ++g) {
           const float sc = d * b[X8_SC + 8 * g + r], mn = dmin * b[X8_MN + 16 * (g / 2) + 2 * r + (g & 1)];
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t q = b[128 * g + 32 * c + 4 * r + j];
-              o[32 * g + 4 * c + j] = std::fma(static_cast<float>(q & 15), sc, -mn);
-              o[32 * g + 16 + 4 * c + j] = std::fma(static_cast<float>(q >> 4), sc, -mn);
+          for (int p = 0; p < 2; ++p)
+            for (int k = 0; k < 8; ++k) {
+              const uint8_t q = b[128 * g + 64 * p + 8 * r + k];
+              o[32 * g + 8 * p + k] = std::fma(static_cast<float>(q & 15), sc, -mn);
+              o[32 * g + 16 + 8 * p + k] = std::fma(static_cast<float>(q >> 4), sc, -mn);
             }
         }
+      }
+    }
+}
+
+// Q6_K repacked by 8 rows ("Q6_Kx8", engine type id Q6_KX8): Q4_Kx8's code layout for the low 4 bits
+// of the 6-bit codes, their top 2 bits in a second plane, the 16 signed scales per row, the file's
+// byte count. One block of 8 rows x 256 weights, Q6X8_BYTES:
+//   ql [1024]: group g (32 weights), pair p: 64 bytes at 128 g + 64 p, byte 8 r + k of row r = the low
+//              4 bits of code 8 p + k of the group (low nibble) and of code 16 + 8 p + k (high)
+//   qh [512]:  group g: 64 bytes at 1024 + 64 g, byte 8 r + k = the top 2 bits of codes k (bits 0-1),
+//              16 + k (2-3), 8 + k (4-5), 24 + k (6-7): pair p's in bits 4 p .. 4 p + 3
+//   sc [128]:  byte 16 g + 2 r + h = the int8 scale of row r's weights 32 g + 16 h .. + 15
+//   d [16]:    float16 per row
+// Codes are unsigned (0..63, the weight d * scale * (code - 32)): row r's super-block sum is
+// sum_h scale_h * (q_h . x_h) - 32 * sum_h scale_h * sum(x_h) in int32 (exact), then one float
+// multiply-add per super-block: like Q4_Kx8, each output depends on its own row of x only, and every
+// build and tile gives the same values.
+constexpr int64_t Q6_KX8 = 1014, Q6X8_BYTES = 1680, Q6X8_QH = 1024, Q6X8_SC = 1536, Q6X8_D = 1664;
+
+// the offset sums of super-block i for RM rows: macc[r] lane n = sum over 16-weight groups of the
+// scale of row n times the sum of x's codes
+template <int RM>
+__attribute__((always_inline)) inline void q6x8_offsets(const uint8_t* b, const ActK& a, int64_t i, __m256i* macc) {
+  for (int r = 0; r < RM; ++r) macc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int g = 0; g < 8; ++g) {  // int16 pairs (scale 2 g, scale 2 g + 1) of each row
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_SC + 16 * g)));
+    for (int r = 0; r < RM; ++r) {
+      int32_t bs;
+      std::memcpy(&bs, a.bs + r * (a.K / 16) + i * 16 + 2 * g, 4);
+#if MTPLLM_VNNI
+      macc[r] = _mm256_dpwssd_epi32(macc[r], sc, _mm256_set1_epi32(bs));
+#else
+      macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(sc, _mm256_set1_epi32(bs)));
+#endif
+    }
+  }
+}
+
+// facc[r] += d * dx * (s[r] - 32 * macc[r])
+template <int RM>
+__attribute__((always_inline)) inline void q6x8_finish(const uint8_t* b, const ActK& a, int64_t i, const __m256i* s,
+                                                       const __m256i* macc, __m256* facc) {
+  const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_D)));
+  for (int r = 0; r < RM; ++r) {
+    const __m256i sumi = _mm256_sub_epi32(s[r], _mm256_slli_epi32(macc[r], 5));
+    facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(d8, _mm256_set1_ps(a.d[r * (a.K / 256) + i])), facc[r]);
+  }
+}
+
+#if MTPLLM_VNNI
+template <int RM>
+inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), lo16 = _mm512_set1_epi32(0xFFFF);
+  const __m128i dl = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
+  const __m128i dh = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
+  __m256 facc[RM];
+  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * Q6X8_BYTES;
+    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    __m512i sl[RM], sh[RM];  // weights 0..15 / 16..31 of each group (their own scales)
+    for (int r = 0; r < RM; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i qh = _mm512_loadu_si512(b + Q6X8_QH + 64 * g);
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_SC + 16 * g));
+      // row r's scale in lanes 2 r, 2 r + 1 as int16 pairs (scale, 0)
+      const __m512i scl = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, dl)), lo16);
+      const __m512i sch = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, dh)), lo16);
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        const __m512i raw = _mm512_loadu_si512(b + 128 * g + 64 * p);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, m4),
+                                           _mm512_and_si512(p ? qh : _mm512_slli_epi16(qh, 4), m30));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                           _mm512_and_si512(p ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30));
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 8 * p;
+          // |lane| <= 4 * 63 * 127 < 2^15: the low 16 bits are the value
+          const __m512i pl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi64(load8(x)));
+          const __m512i ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi64(load8(x + 16)));
+          sl[r] = _mm512_dpwssd_epi32(sl[r], pl, scl);
+          sh[r] = _mm512_dpwssd_epi32(sh[r], ph, sch);
+        }
+      }
+    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r) {
+      const __m512i t = _mm512_add_epi32(sl[r], sh[r]);
+      s[r] = _mm512_cvtepi64_epi32(_mm512_add_epi32(t, _mm512_srli_epi64(t, 32)));
+    }
+    q6x8_offsets<RM>(b, a, i, macc);
+    q6x8_finish<RM>(b, a, i, s, macc, facc);
+  }
+  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
+}
+#else
+template <int RM>
+inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  __m256 facc[RM];
+  for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * Q6X8_BYTES;
+    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    __m256i sacc[2][RM];
+    for (int r = 0; r < RM; ++r) sacc[0][r] = sacc[1][r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_SC + 16 * g));
+      for (int q = 0; q < 2; ++q) {  // rows 4 q .. 4 q + 3
+        const __m256i qh = loadu(b + Q6X8_QH + 64 * g + 32 * q);
+        __m256i al[RM], ah[RM];  // pairs of u6 x s8 products, two per 16-bit lane: at most 4 * 63 * 127
+        for (int r = 0; r < RM; ++r) al[r] = ah[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {
+          const __m256i raw = loadu(b + 128 * g + 64 * p + 32 * q);
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, m4),
+                                             _mm256_and_si256(p ? qh : _mm256_slli_epi16(qh, 4), m30));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                                             _mm256_and_si256(p ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2), m30));
+          for (int r = 0; r < RM; ++r) {
+            const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 8 * p;
+            al[r] = _mm256_add_epi16(al[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi64x(load8(x))));
+            ah[r] = _mm256_add_epi16(ah[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi64x(load8(x + 16))));
+          }
+        }
+        // the scale of row 4 q + j in 16-bit lanes 4 j .. 4 j + 3: bytes 2 (4 q + j) + h, widened
+        const __m128i il = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(8 * q));
+        const __m256i scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, il));
+        const __m256i sch = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, _mm_add_epi8(il, _mm_set1_epi8(1))));
+        for (int r = 0; r < RM; ++r)
+          sacc[q][r] = _mm256_add_epi32(sacc[q][r], _mm256_add_epi32(_mm256_madd_epi16(al[r], scl), _mm256_madd_epi16(ah[r], sch)));
+      }
+    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r) s[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sacc[0][r], sacc[1][r]), 0xD8);
+    q6x8_offsets<RM>(b, a, i, macc);
+    q6x8_finish<RM>(b, a, i, s, macc, facc);
+  }
+  for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
+}
+#endif
+
+template <int RM = X8_RM>
+inline void q6x8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
+  if constexpr (RM > 1) {
+    if (rm < RM) return q6x8_tile_rm<RM - 1>(rm, blk, nsb, a, facc);
+  }
+  q6x8_tile<RM>(blk, nsb, a, facc);
+}
+
+void q6x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
+               int64_t ldy) {
+  const int64_t nsb = xk.K / 256;
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp) {
+    const uint8_t* blk = w + grp * group_bytes;
+    for (int64_t m = 0; m < M; m += X8_RM) {
+      const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
+      __m256 facc[X8_RM];
+      for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
+      q6x8_tile_rm(rm, blk, nsb, xk.from(m), facc);
+      for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
+    }
+  }
+}
+
+// the 256 unsigned codes (0..63) of one Q6_K super-block, in weight order (ggml's dequantize_row_q6_K)
+inline void q6_unpack(const uint8_t* b, uint8_t* code) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    uint8_t* c = code + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      c[l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+      c[l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+      c[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+      c[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+    }
+  }
+}
+
+// Q6_K rows [8 g0, 8 g1) of w (uint8 [N, K / 256 * 210]) -> row groups [g0, g1) of the Q6_Kx8 layout
+void q6x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int64_t g1, uint8_t* out) {
+  for (int64_t grp = g0; grp < g1; ++grp)
+    for (int64_t i = 0; i < nsb; ++i) {
+      uint8_t* o = out + (grp * nsb + i) * Q6X8_BYTES;
+      for (int r = 0; r < 8; ++r) {
+        const uint8_t* b = w + (grp * 8 + r) * row_bytes + i * 210;
+        uint8_t c[256];
+        q6_unpack(b, c);
+        std::memcpy(o + Q6X8_D + 2 * r, b + 208, 2);
+        for (int g = 0; g < 8; ++g) {
+          const uint8_t* cg = c + 32 * g;
+          for (int h = 0; h < 2; ++h) o[Q6X8_SC + 16 * g + 2 * r + h] = b[192 + 2 * g + h];
+          for (int k = 0; k < 8; ++k) {
+            for (int p = 0; p < 2; ++p) o[128 * g + 64 * p + 8 * r + k] = (cg[8 * p + k] & 15) | ((cg[16 + 8 * p + k] & 15) << 4);
+            o[Q6X8_QH + 64 * g + 8 * r + k] = (cg[k] >> 4) | ((cg[16 + k] >> 4) << 2) | ((cg[8 + k] >> 4) << 4) | ((cg[24 + k] >> 4) << 6);
+          }
+        }
+      }
+    }
+}
+
+// the row groups of a Q6_Kx8 matrix starting in rows [n0, n1) as float32 rows of y (row stride K):
+// exactly the Q6_K blocks' values
+void q6x8_dequant(const uint8_t* w, int64_t nsb, int64_t n0, int64_t n1, float* y) {
+  const int64_t K = nsb * 256;
+  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp)
+    for (int64_t i = 0; i < nsb; ++i) {
+      const uint8_t* b = w + (grp * nsb + i) * Q6X8_BYTES;
+      for (int r = 0; r < 8; ++r) {
+        float* o = y + (grp * 8 + r) * K + i * 256;
+        const float d = f16(b + Q6X8_D + 2 * r);
+        for (int g = 0; g < 8; ++g)
+          for (int p = 0; p < 2; ++p)
+            for (int k = 0; k < 8; ++k) {
+              const uint8_t q = b[128 * g + 64 * p + 8 * r + k], qh = b[Q6X8_QH + 64 * g + 8 * r + k] >> (4 * p);
+              const int lo = (q & 15) | ((qh & 3) << 4), hi = (q >> 4) | (((qh >> 2) & 3) << 4);
+              const auto sc = [&](int h) { return d * static_cast<float>(static_cast<int8_t>(b[Q6X8_SC + 16 * g + 2 * r + h])); };
+              o[32 * g + 8 * p + k] = sc(0) * static_cast<float>(lo - 32);
+              o[32 * g + 16 + 8 * p + k] = sc(1) * static_cast<float>(hi - 32);
+            }
       }
     }
 }
@@ -1159,7 +1321,7 @@ template <class T> struct DequantRows {
 };
 
 // output rows of one weight tensor (Q4_Kx8: 8 per row group)
-bool x8_type(int64_t t) { return t == Q4_KX8 || t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8; }
+bool x8_type(int64_t t) { return t == Q4_KX8 || t == Q6_KX8 || t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8; }
 int64_t weight_rows(const at::Tensor& w, int64_t t) { return x8_type(t) ? 8 * w.size(0) : w.size(0); }
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
@@ -1167,6 +1329,12 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K) {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 256 == 0 &&
                     w.size(1) == K / 256 * X8_BYTES,
                 "Q4_Kx8 weights: uint8 [N / 8, K / 256 * ", X8_BYTES, "] (gguf_repack) for K = ", K);
+    return;
+  }
+  if (t == Q6_KX8) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 && K % 256 == 0 &&
+                    w.size(1) == K / 256 * Q6X8_BYTES,
+                "Q6_Kx8 weights: uint8 [N / 8, K / 256 * ", Q6X8_BYTES, "] (gguf_repack) for K = ", K);
     return;
   }
   if (t == Q4_0X8 || t == Q5_0X8 || t == Q8_0X8) {
@@ -1202,7 +1370,8 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
   at::Tensor y = at::empty({M, N}, x.options());
   bool any_k = false, any_32 = false, any_q4 = false, any_q5 = false, any_q8 = false;
   for (size_t i = 0; i < ws.size(); ++i) {
-    const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K || types[i] == Q4_KX8;
+    const bool k = types[i] == Q4_K || types[i] == Q5_K || types[i] == Q6_K || types[i] == Q4_KX8 ||
+                   types[i] == Q6_KX8;
     any_k |= k;
     any_32 |= !k;
     any_q4 |= types[i] == Q4_0;
@@ -1263,6 +1432,10 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
         x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
         continue;
       }
+      if (types[i] == Q6_KX8) {
+        q6x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
+        continue;
+      }
       if (c32x8_type(types[i])) {  // every M: the same products as c32_rows on the file's blocks
         const uint8_t* wp = ws[i].data_ptr<uint8_t>();
         if (types[i] == Q4_0X8)
@@ -1317,6 +1490,10 @@ at::Tensor gguf_dequantize(at::TensorList ws, at::IntArrayRef types, int64_t K) 
         x8_dequant(ws[i].data_ptr<uint8_t>(), K / 256, a - off[i], b - off[i], yp + off[i] * K);
         continue;
       }
+      if (types[i] == Q6_KX8) {
+        q6x8_dequant(ws[i].data_ptr<uint8_t>(), K / 256, a - off[i], b - off[i], yp + off[i] * K);
+        continue;
+      }
       if (c32x8_type(types[i])) {
         c32x8_dequant(types[i], ws[i].data_ptr<uint8_t>(), K / 32, a - off[i], b - off[i], yp + off[i] * K);
         continue;
@@ -1342,13 +1519,13 @@ inline void advise_huge_pages(void* p, int64_t n) {
 // Q4_K / Q4_0 / Q5_0 / Q8_0 weights (the file's blocks, N % 8 == 0) in the layout of 8 rows: Q4_Kx8
 // uint8 [N / 8, K / 256 * X8_BYTES], Q4_0x8 / Q5_0x8 / Q8_0x8 uint8 [N / 8, K / 32 * (144 | 176 | 272)]
 at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
-  TORCH_CHECK(t == Q4_K || t == Q4_0 || t == Q5_0 || t == Q8_0,
-              "gguf_repack: Q4_K, Q4_0, Q5_0 and Q8_0 (types 12, 2, 6, 8) are repacked, got type ", t);
+  TORCH_CHECK(t == Q4_K || t == Q6_K || t == Q4_0 || t == Q5_0 || t == Q8_0,
+              "gguf_repack: Q4_K, Q6_K, Q4_0, Q5_0 and Q8_0 (types 12, 14, 2, 6, 8) are repacked, got type ", t);
   check_weight(w, t, K);
   const int64_t N = w.size(0);
   TORCH_CHECK(N % 8 == 0, "gguf_repack: the row count (", N, ") must be a multiple of 8");
   const int64_t t8 = t == Q4_0 ? Q4_0X8 : t == Q5_0 ? Q5_0X8 : Q8_0X8;
-  const int64_t group_bytes = t == Q4_K ? K / 256 * X8_BYTES : K / 32 * c32x8_bytes(t8);
+  const int64_t group_bytes = t == Q4_K ? K / 256 * X8_BYTES : t == Q6_K ? K / 256 * Q6X8_BYTES : K / 32 * c32x8_bytes(t8);
   at::Tensor out = at::empty({N / 8, group_bytes}, w.options().dtype(at::kByte));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
@@ -1356,6 +1533,8 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t t, int64_t K) {
   at::parallel_for(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
     if (t == Q4_K)
       x8_repack(wp, w.stride(0), K / 256, g0, g1, op);
+    else if (t == Q6_K)
+      q6x8_repack(wp, w.stride(0), K / 256, g0, g1, op);
     else
       c32x8_repack(t, t8, wp, w.stride(0), K / 32, g0, g1, op);
   });
