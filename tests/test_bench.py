@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mtpllm.bench.report import REPORT_SCHEMA
-from mtpllm.bench.runner import parse_llama_bench_json, parse_spec
+from mtpllm.bench.runner import compare_to_llama, merge_llama_rounds, parse_llama_bench_json, parse_spec
 from mtpllm.cli import main
 from mtpllm.errors import MtpllmError
 from tiny import make_tiny
@@ -52,6 +52,16 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
             n_pos = len(r["per_position_acceptance"])
             assert 0 <= r["acceptance_rate"] <= 1 and (n_pos == r["k"] if r["spec"].startswith("mtp") else n_pos <= r["k"])
             assert 1 <= r["mean_acceptance_length"] <= 1 + r["k"]
+    # with llama.cpp's rows of the same run, every row shows its decode speed over llama.cpp's
+    from mtpllm.bench.report import to_markdown
+    llama = merge_llama_rounds([[{"model": bench_model.name, "threads": rows[0]["threads"], "test": "tg4",
+                                  "ts": {"mean": 10.0, "sd": 0.5}}]])
+    compare_to_llama(rows, llama)
+    rep["llama_cpp"] = llama
+    _validate(rep)
+    md = to_markdown(rep)
+    assert "decode vs llama.cpp |" in md and f" {rows[1]['decode_tps']['mean'] / 10:.2f}x |" in md
+    assert "| llama.cpp bench.gguf |" in md or f"| llama.cpp {bench_model.name} |" in md
 
 
 def test_bench_real_prompt_sets_and_formats(bench_model, capsys):
@@ -138,12 +148,30 @@ def test_llama_bench_json_is_parsed():
         {"model_filename": "/m/qwen.gguf", "n_threads": 2, "n_prompt": 0, "n_gen": 128, "avg_ts": 26.8,
          "stddev_ts": 0.3}])
     rows = parse_llama_bench_json(text)
-    assert rows == [{"model": "qwen.gguf", "threads": 2, "test": "pp512", "prefill_tps": "101.50 ± 1.25",
-                     "decode_tps": "-"},
-                    {"model": "qwen.gguf", "threads": 2, "test": "tg128", "prefill_tps": "-",
-                     "decode_tps": "26.80 ± 0.30"}]
+    assert rows == [{"model": "qwen.gguf", "threads": 2, "test": "pp512", "ts": {"mean": 101.5, "sd": 1.25}},
+                    {"model": "qwen.gguf", "threads": 2, "test": "tg128", "ts": {"mean": 26.8, "sd": 0.3}}]
     with pytest.raises(MtpllmError, match="not JSON"):
         parse_llama_bench_json("error: model not found")
+
+
+def test_llama_rounds_are_merged_and_compared():
+    """llama-bench runs once per round: its figures are the mean and sd over rounds (one round keeps its
+    own sd), and every row of the same file, threads and new-token count gets its decode ratio."""
+    def one(pp, tg):
+        return parse_llama_bench_json(json.dumps([
+            {"model_filename": "/m/q.gguf", "n_threads": 2, "n_prompt": 512, "n_gen": 0, "avg_ts": pp, "stddev_ts": 1},
+            {"model_filename": "/m/q.gguf", "n_threads": 2, "n_prompt": 0, "n_gen": 128, "avg_ts": tg, "stddev_ts": 2}]))
+    merged = merge_llama_rounds([one(100.0, 30.0), one(110.0, 26.0)])
+    by = {r["test"]: r for r in merged}
+    assert by["pp512"]["prefill_tps"] == "105.00 ± 7.07" and by["pp512"]["decode_tps"] == "-"
+    assert by["tg128"]["ts"] == {"mean": 28.0, "sd": pytest.approx(2.828, abs=1e-3)} and by["tg128"]["rounds"] == 2
+    assert merge_llama_rounds([one(100.0, 30.0)])[1]["decode_tps"] == "30.00 ± 2.00"
+    rows = [{"model": "/x/q.gguf", "threads": 2, "n_gen": 128, "decode_tps": {"mean": 56.0, "sd": 1.0}},
+            {"model": "/x/q.gguf", "threads": 1, "n_gen": 128, "decode_tps": {"mean": 20.0, "sd": 1.0}},
+            {"model": "/x/q.gguf", "threads": 2, "n_gen": 64, "decode_tps": {"mean": 20.0, "sd": 1.0}}]
+    compare_to_llama(rows, merged)
+    assert rows[0]["decode_vs_llama_cpp"] == pytest.approx(2.0)
+    assert "decode_vs_llama_cpp" not in rows[1] and "decode_vs_llama_cpp" not in rows[2]
 
 
 @pytest.mark.slow

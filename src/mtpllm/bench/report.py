@@ -34,6 +34,8 @@ ROW_SCHEMA = {
         "draft_ms_per_step": {"type": ["number", "null"], "minimum": 0},
         "tokens_per_step": {"type": ["number", "null"], "minimum": 1},
         "peak_rss_mib": {"type": "number", "minimum": 0}, "load_ms": {"type": "number", "minimum": 0},
+        # decode t/s over llama.cpp's tg<n_gen> on the same file and threads in the same run (--vs-llama-cpp)
+        "decode_vs_llama_cpp": {"type": "number", "minimum": 0},
     },
 }
 REPORT_SCHEMA = {
@@ -92,9 +94,10 @@ def to_markdown(rep: dict) -> str:
                    f"types {', '.join(m['quant_types'])})")
     out.append(f"command: {c['command']}")
     out.append("")
+    vs = any("decode_vs_llama_cpp" in r for r in rep["rows"])
     out.append("| model | threads | test | spec | prefill t/s | decode t/s | e2e t/s | accept | mean acc. len "
-               "| per position | peak MiB | load ms |")
-    out.append("|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
+               "| per position | peak MiB | load ms |" + (" decode vs llama.cpp |" if vs else ""))
+    out.append("|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|" + ("---:|" if vs else ""))
     for r in rep["rows"]:
         acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"
         mal = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
@@ -104,13 +107,15 @@ def to_markdown(rep: dict) -> str:
         pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
         out.append(f"| {os.path.basename(r['model'])} | {r['threads']} | {_test_name(r)} | {r['spec']} | "
                    f"{_pm(r['prefill_tps'])} | {_pm(r['decode_tps'])} | {_pm(r['e2e_tps'])} | {acc} | {mal} | "
-                   f"{pos} | {r['peak_rss_mib']:.0f} | {r['load_ms']:.0f} |")
+                   f"{pos} | {r['peak_rss_mib']:.0f} | {r['load_ms']:.0f} |" +
+                   ((f" {r['decode_vs_llama_cpp']:.2f}x |" if "decode_vs_llama_cpp" in r else " - |") if vs else ""))
     for row in rep.get("llama_cpp", []):
         out.append(f"| llama.cpp {row['model']} | {row['threads']} | {row['test']} | none | "
-                   f"{row['prefill_tps']} | {row['decode_tps']} | - | - | - | - | - | - |")
+                   f"{row['prefill_tps']} | {row['decode_tps']} | - | - | - | - | - | - |" + (" - |" if vs else ""))
     out.append("")
     out.append("prefill t/s: prompt tokens / prompt time; decode t/s: generated tokens / generation time; "
-               "e2e t/s: generated tokens / (prompt + generation time); mean ± sd over repeats, warm-up excluded; "
+               "e2e t/s: generated tokens / (prompt + generation time); mean ± sd over repeats (run in rounds over "
+               "all rows, and llama.cpp once per round), warm-up excluded; "
                "mean acc. len: 1 + accepted / steps with a draft (in brackets, where a p-min cut-off left steps "
                "without one: per step).")
     return "\n".join(out)
@@ -120,7 +125,7 @@ def to_csv(rep: dict) -> str:
     buf = io.StringIO()
     cols = ["model", "threads", "prompt_set", "n_prompt", "n_gen", "depth", "spec", "k", "repeats",
             "prefill_tps", "prefill_sd", "decode_tps", "decode_sd", "e2e_tps", "e2e_sd", "acceptance_rate",
-            "mean_acceptance_length", "per_position_acceptance", "peak_rss_mib", "load_ms"]
+            "mean_acceptance_length", "per_position_acceptance", "peak_rss_mib", "load_ms", "decode_vs_llama_cpp"]
     w = csv.writer(buf)
     w.writerow(cols)
     for r in rep["rows"]:
@@ -128,7 +133,7 @@ def to_csv(rep: dict) -> str:
                     r["k"], r["repeats"], r["prefill_tps"]["mean"], r["prefill_tps"]["sd"], r["decode_tps"]["mean"],
                     r["decode_tps"]["sd"], r["e2e_tps"]["mean"], r["e2e_tps"]["sd"], r["acceptance_rate"],
                     r["mean_acceptance_length"], " ".join(f"{x:.4f}" for x in r["per_position_acceptance"]),
-                    r["peak_rss_mib"], r["load_ms"]])
+                    r["peak_rss_mib"], r["load_ms"], r.get("decode_vs_llama_cpp", "")])
     return buf.getvalue()
 
 

@@ -1,9 +1,12 @@
 """`mtpllm bench`: a llama-bench-like test matrix that also measures speculative decoding.
 
 Rows = models x threads x prompt sets x prompt sizes x generation lengths x depths x spec methods.
-Each row: one warm-up repetition (excluded), then -r repetitions; each repetition clears the KV
+Each row: one warm-up repetition (excluded), then -r repetitions, run in rounds over the whole
+matrix (round 1 of every row, then round 2, ...; with --vs-llama-cpp, llama-bench once per round)
+so that the drift of a shared machine falls on all rows alike; each repetition clears the KV
 cache (and the proposer's), fills `depth` tokens of real text untimed (llama-bench -d), then runs
-its requests through the engine's normal stream. Reported per row: prefill, decode and end-to-end
+its requests through the engine's normal stream. With --vs-llama-cpp each row also gets its decode
+speed over llama.cpp's plain decoding of the same file in the same run. Reported per row: prefill, decode and end-to-end
 tok/s (mean ± sd), acceptance rate, mean acceptance length, per-position acceptance, draft cost,
 peak RSS and load time; the report records the full test conditions.
 """
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens (synthetic and long prompt sets), comma-separated (default 512)")
     ap.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default 128)")
     ap.add_argument("-d", "--depth", type=_int_list, default=[0], help="tokens already in context (default 0)")
-    ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row (default 5)")
+    ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row, run in rounds over all rows (default 5)")
     ap.add_argument("-t", "--threads", type=_int_list, default=None, help="threads, comma-separated")
     ap.add_argument("--spec", default="none",
                     help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k], "
@@ -156,24 +159,36 @@ def _stat(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs) if xs else 0.0, "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0}
 
 
-def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_gen: int, depth: int,
-            reps: int, warmup: int, n_prompts: int, temp: float, seed: int) -> dict:
-    from ..runtime.sampling import SamplingParams
-    from ..speculative.verifier import SpecStats
-    pre, dec, e2e = [], [], []
-    total = SpecStats()
-    p_tok = g_tok = 0
-    _reset_peak_rss()
-    for rep in range(-warmup, reps):
+class RowRun:
+    """One row of the matrix (a workload and a speculation setting) measured over repeats. Repeats run
+    in rounds across all rows (`main`), so that a slow or fast phase of the machine falls on every row
+    alike (and on llama.cpp's, run once per round), rather than on whichever rows ran during it."""
+
+    def __init__(self, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_gen: int, depth: int,
+                 reps: int, n_prompts: int, temp: float, seed: int):
+        from ..speculative.verifier import SpecStats
+        self.spec, self.label, self.k = spec, label, k
+        self.prompt_set, self.n_prompt, self.n_gen, self.depth = prompt_set, n_prompt, n_gen, depth
+        self.reps, self.n_prompts, self.temp, self.seed = reps, n_prompts, temp, seed
+        self.pre, self.dec, self.e2e = [], [], []
+        self.total = SpecStats()
+        self.p_tok = self.g_tok = 0
+        self.peak_mib = 0.0
+
+    def run(self, engine, rep: int) -> None:
+        """One repeat (rep < 0: a warm-up, not counted) over the row's requests."""
+        from ..runtime.sampling import SamplingParams
+        spec = self.spec
         P_n = P_ms = G_n = G_ms = 0.0
-        reqs = build_requests(engine, prompt_set, n_prompt, n_prompts, seed + rep)
-        dep = depth_ids(engine, depth, seed + rep)
+        reqs = build_requests(engine, self.prompt_set, self.n_prompt, self.n_prompts, self.seed + rep)
+        dep = depth_ids(engine, self.depth, self.seed + rep)
+        _reset_peak_rss()
         for req in reqs:
             engine.reset()
             if spec is not None and hasattr(spec.proposer, "reset"):
                 spec.proposer.reset()
-            params = SamplingParams(temperature=temp, top_k=0, top_p=1.0, min_p=0.0, max_tokens=n_gen,
-                                    seed=seed + rep, ignore_eos=prompt_set == "synthetic")
+            params = SamplingParams(temperature=self.temp, top_k=0, top_p=1.0, min_p=0.0, max_tokens=self.n_gen,
+                                    seed=self.seed + rep, ignore_eos=self.prompt_set == "synthetic")
             if dep:  # the context the measured prompt is appended to, evaluated untimed (the engine and
                 # an MTP head cache it during prefill, so the measured request reuses it)
                 engine.generate(prompt_ids=dep, params=SamplingParams(temperature=0, max_tokens=0), speculative=spec)
@@ -184,33 +199,38 @@ def run_row(engine, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_
             G_n += t.predicted_n
             G_ms += t.predicted_ms
             if rep >= 0 and out.stats is not None:
-                total.merge(out.stats)
+                self.total.merge(out.stats)
+        self.peak_mib = max(self.peak_mib, _peak_rss_mib())
         if rep < 0:
-            continue  # warm-up
-        p_tok += P_n
-        g_tok += G_n
-        pre.append(P_n / (P_ms / 1e3) if P_ms else 0.0)
-        dec.append(G_n / (G_ms / 1e3) if G_ms else 0.0)
-        e2e.append(G_n / ((P_ms + G_ms) / 1e3) if P_ms + G_ms else 0.0)
-    spec_on = spec is not None
-    return {
-        "threads": 0, "prompt_set": prompt_set, "n_prompt": n_prompt if prompt_set in ("synthetic", "long") else 0,
-        "n_gen": n_gen, "depth": depth, "spec": label, "k": k, "repeats": reps,
-        "prompt_tokens": p_tok / reps, "gen_tokens": g_tok / reps,
-        "prefill_tps": _stat(pre), "decode_tps": _stat(dec), "e2e_tps": _stat(e2e),
-        "acceptance_rate": total.acceptance_rate if spec_on else None,
-        "mean_acceptance_length": total.mean_acceptance_length if spec_on else None,
-        "per_position_acceptance": total.per_position_acceptance if spec_on else [],
-        # tokens per target forward, steps left undrafted by a p-min cut-off included
-        "tokens_per_step": total.tokens_per_step if spec_on else None,
-        "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
-        "peak_rss_mib": _peak_rss_mib(),
-    }
+            return  # warm-up
+        self.p_tok += P_n
+        self.g_tok += G_n
+        self.pre.append(P_n / (P_ms / 1e3) if P_ms else 0.0)
+        self.dec.append(G_n / (G_ms / 1e3) if G_ms else 0.0)
+        self.e2e.append(G_n / ((P_ms + G_ms) / 1e3) if P_ms + G_ms else 0.0)
+
+    def result(self) -> dict:
+        spec_on, total, reps = self.spec is not None, self.total, self.reps
+        return {
+            "threads": 0, "prompt_set": self.prompt_set,
+            "n_prompt": self.n_prompt if self.prompt_set in ("synthetic", "long") else 0,
+            "n_gen": self.n_gen, "depth": self.depth, "spec": self.label, "k": self.k, "repeats": reps,
+            "prompt_tokens": self.p_tok / reps, "gen_tokens": self.g_tok / reps,
+            "prefill_tps": _stat(self.pre), "decode_tps": _stat(self.dec), "e2e_tps": _stat(self.e2e),
+            "acceptance_rate": total.acceptance_rate if spec_on else None,
+            "mean_acceptance_length": total.mean_acceptance_length if spec_on else None,
+            "per_position_acceptance": total.per_position_acceptance if spec_on else [],
+            # tokens per target forward, steps left undrafted by a p-min cut-off included
+            "tokens_per_step": total.tokens_per_step if spec_on else None,
+            "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
+            "peak_rss_mib": self.peak_mib,
+        }
 
 
 # ---------------------------------------------------------------------------- llama.cpp side by side
 def parse_llama_bench_json(text: str) -> list[dict]:
-    """Rows of `llama-bench -o json` (a list of objects with n_prompt, n_gen, avg_ts, stddev_ts)."""
+    """Rows of `llama-bench -o json` (a list of objects with n_prompt, n_gen, avg_ts, stddev_ts):
+    model, threads, test (pp512, tg128, ...), ts (tokens per second: mean, sd)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -218,21 +238,47 @@ def parse_llama_bench_json(text: str) -> list[dict]:
     rows = []
     for r in data if isinstance(data, list) else []:
         pp, tg = int(r.get("n_prompt", 0)), int(r.get("n_gen", 0))
-        ts = f"{r.get('avg_ts', 0):.2f} ± {r.get('stddev_ts', 0):.2f}"
         rows.append({"model": os.path.basename(str(r.get("model_filename", "?"))),
                      "threads": int(r.get("n_threads", 0)), "test": f"pp{pp}" if pp else f"tg{tg}",
-                     "prefill_tps": ts if pp else "-", "decode_tps": ts if tg else "-"})
+                     "ts": {"mean": float(r.get("avg_ts", 0)), "sd": float(r.get("stddev_ts", 0))}})
     return rows
 
 
-def run_llama_bench(bin_dir: str, path: str, a, threads: int) -> list[dict]:
+def merge_llama_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """llama-bench's rows from several rounds (one run each) -> one row per test: the mean over rounds and
+    their sd (one round: llama-bench's own), as prefill_tps (pp tests) or decode_tps (tg tests)."""
+    merged: dict[tuple, list[dict]] = {}
+    for rows in rounds:
+        for r in rows:
+            merged.setdefault((r["model"], r["threads"], r["test"]), []).append(r["ts"])
+    out = []
+    for (model, threads, test), ts in merged.items():
+        s = ts[0] if len(ts) == 1 else _stat([t["mean"] for t in ts])
+        text = f"{s['mean']:.2f} ± {s['sd']:.2f}"
+        out.append({"model": model, "threads": threads, "test": test, "rounds": len(ts), "ts": s,
+                    "prefill_tps": text if test.startswith("pp") else "-",
+                    "decode_tps": text if test.startswith("tg") else "-"})
+    return out
+
+
+def compare_to_llama(rows: list[dict], llama_rows: list[dict]) -> None:
+    """Each row's decode speed over llama.cpp's plain decoding of the same file, thread count and
+    number of new tokens in the same run (row["decode_vs_llama_cpp"]), where llama.cpp ran that test."""
+    tg = {(r["model"], r["threads"], r["test"]): r["ts"]["mean"] for r in llama_rows}
+    for r in rows:
+        ref = tg.get((os.path.basename(r["model"]), r["threads"], f"tg{r['n_gen']}"))
+        if ref:
+            r["decode_vs_llama_cpp"] = r["decode_tps"]["mean"] / ref
+
+
+def run_llama_bench(bin_dir: str, path: str, a, threads: int, reps: int | None = None) -> list[dict]:
     d = Path(bin_dir)
     exe = next((p for p in (d / "llama-bench", d / "bin" / "llama-bench") if p.is_file()), None)
     if exe is None:
         raise MtpllmError(f"--vs-llama-cpp {bin_dir}: no llama-bench binary there (looked for llama-bench and "
                           f"bin/llama-bench)")
     cmd = [str(exe), "-m", path, "-p", ",".join(map(str, a.n_prompt)), "-n", ",".join(map(str, a.n_gen)),
-           "-r", str(a.repetitions), "-t", str(threads), "-o", "json"]
+           "-r", str(reps or a.repetitions), "-t", str(threads), "-o", "json"]
     if a.depth != [0]:
         cmd += ["-d", ",".join(map(str, a.depth))]
     try:
@@ -279,9 +325,6 @@ def main(argv: list[str]) -> int:
     rows, models, llama_rows = [], [], []
     def prompt_sizes(ps: str) -> list[int]:  # -p applies to the synthetic and long sets only
         return a.n_prompt if ps in ("synthetic", "long") else [0]
-    total_rows = len([m for m in a.model.split(",") if m.strip()]) * len(threads_list) * \
-        sum(len(prompt_sizes(ps)) for ps in sets) * len(a.n_gen) * len(a.depth) * len(specs)
-    done = 0
     for name in [m.strip() for m in a.model.split(",") if m.strip()]:
         path = resolve_model(name)
         g = GGUFFile(path)
@@ -306,20 +349,30 @@ def main(argv: list[str]) -> int:
             for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):
                 if method != "none":  # build every proposer before measuring: bad input fails fast
                     built[label] = config(spec_text.strip()).build(engine)
-            for ps in sets:
-                for n_prompt in prompt_sizes(ps):
-                    for n_gen in a.n_gen:
-                        for depth in a.depth:
-                            for label, method, k, draft in specs:
-                                done += 1
-                                print(f"[{done}/{total_rows}] {path.name} t={threads} {ps} "
-                                      f"p={n_prompt} n={n_gen} d={depth} spec={label}", file=sys.stderr)
-                                row = run_row(engine, built.get(label), label, k, ps, n_prompt, n_gen, depth,
-                                              a.repetitions, a.warmup, a.n_prompts, a.temp, a.seed)
-                                row.update(model=str(path), model_sha256=sha, threads=threads, load_ms=engine.load_ms)
-                                rows.append(row)
-            if a.vs_llama_cpp:
-                llama_rows += run_llama_bench(a.vs_llama_cpp, str(path), a, threads)
+            matrix = [RowRun(built.get(label), label, k, ps, n_prompt, n_gen, depth, a.repetitions, a.n_prompts,
+                             a.temp, a.seed)
+                      for ps in sets for n_prompt in prompt_sizes(ps) for n_gen in a.n_gen for depth in a.depth
+                      for label, method, k, draft in specs]
+            rounds = []
+            # repeats in rounds over the whole matrix (and llama.cpp once per round): a phase of the
+            # machine (these VMs drift by 20-30% over minutes) falls on every row alike
+            for rep_i in range(-a.warmup, a.repetitions):
+                for row in matrix:
+                    what = "warm-up" if rep_i < 0 else f"round {rep_i + 1}/{a.repetitions}"
+                    print(f"[{what}] {path.name} t={threads} {row.prompt_set} p={row.n_prompt} n={row.n_gen} "
+                          f"d={row.depth} spec={row.label}", file=sys.stderr)
+                    row.run(engine, rep_i)
+                if a.vs_llama_cpp and rep_i >= 0:
+                    print(f"[round {rep_i + 1}/{a.repetitions}] llama-bench {path.name} t={threads}", file=sys.stderr)
+                    rounds.append(run_llama_bench(a.vs_llama_cpp, str(path), a, threads, reps=1))
+            for row in matrix:
+                r = row.result()
+                r.update(model=str(path), model_sha256=sha, threads=threads, load_ms=engine.load_ms)
+                rows.append(r)
+            if rounds:
+                merged = merge_llama_rounds(rounds)
+                compare_to_llama(rows[-len(matrix):], merged)
+                llama_rows += merged
             del engine, built
     sampling = "greedy" if a.temp == 0 else f"temperature {a.temp}, seed {a.seed}"
     from ..runtime import kernels
