@@ -294,6 +294,15 @@ def main(argv=None) -> int:
         for i in range(0, len(todo), a.batch):
             group = todo[i:i + a.batch]
             ids = [eng.encode_prompt(messages=[{"role": "user", "content": p}]) for p in group]
+            # a prompt whose answer cannot fit the context (a function of thousands of lines) is left out
+            fits = [len(x) + a.max_new <= eng.n_ctx for x in ids]
+            if not all(fits):
+                print(f"skipped {fits.count(False)} prompt(s) longer than the context allows "
+                      f"({eng.n_ctx} - {a.max_new} new tokens)", flush=True)
+                group = [p for p, ok in zip(group, fits) if ok]
+                ids = [x for x, ok in zip(ids, fits) if ok]
+                if not group:
+                    continue
             if a.batch == 1:
                 done_c = [eng.generate(prompt_ids=ids[0], params=params, speculative=spec)]
             else:

@@ -573,6 +573,18 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         assert doc.ids and doc.states is not None and np.load(doc.states).shape[0] == len(doc.ids)
     with pytest.raises(SystemExit):
         sa.main(args[:-4] + ["--batch", "1", "-o", str(kept), "--states"])
+    # a prompt whose answer cannot fit the context is left out with a message; the rest is answered
+    long_src = tiny_dir / "long-src"
+    long_src.mkdir(exist_ok=True)
+    (long_src / "m.py").write_text(
+        "def huge(a, table='" + "x" * 12000 + "'):\n    '''Look a up in the table, the long way round for the test.'''\n\n"
+        "def small(a, b):\n    '''Return a times b, computed the long way round for the test.'''\n")
+    long_out = tiny_dir / "answers-long.jsonl"
+    assert sa.main(["-m", str(model), "--stdlib", str(long_src), "--code", "2", "-n", "2", "--batch", "8",
+                    "-o", str(long_out), "--threads", "1"]) == 0
+    got = {json.loads(line)["prompt"] for line in long_out.read_text().splitlines()}
+    assert any(p.startswith("def small") for p in got) and not any(p.startswith("def huge") for p in got)
+    assert len(got) == len(sa.PROSE + sa.MORE_PROSE) + 1
 
 
 def test_short_documents_are_padded_windows_whose_padding_is_never_seen(setup, tiny_dir):
