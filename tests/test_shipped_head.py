@@ -16,10 +16,10 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
-# 2.32 when trained (728 of 1656 drafted tokens over 552 drafts), the same on every run here (greedy,
+# 2.43 when trained (753 of 1578 drafted tokens over 526 drafts), the same on every run here (greedy,
 # and the kernels give the same bits on AVX2 and AVX-512 VNNI). The issue asks above 2.0; the bar keeps
-# this head's margin over the previous one (2.04).
-SHIPPED_MIN_MEAN_ACCEPTANCE = 2.2
+# this head's margin over the previous one (2.32).
+SHIPPED_MIN_MEAN_ACCEPTANCE = 2.35
 
 
 @pytest.fixture(scope="module")
