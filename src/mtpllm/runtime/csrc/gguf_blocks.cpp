@@ -660,31 +660,6 @@ inline void x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc
 }
 #endif
 
-template <int RM = X8_RM>
-inline void x8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
-  if constexpr (RM > 1) {
-    if (rm < RM) return x8_tile_rm<RM - 1>(rm, blk, nsb, a, facc);
-  }
-  x8_tile<RM>(blk, nsb, a, facc);
-}
-
-// Output rows [n0, n1) of a Q4_Kx8 matrix (row groups of 8 starting in that range) against the M
-// rows of x into y (row stride ldy)
-void x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
-             int64_t ldy) {
-  const int64_t nsb = xk.K / 256;
-  for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp) {
-    const uint8_t* blk = w + grp * group_bytes;
-    for (int64_t m = 0; m < M; m += X8_RM) {
-      const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-      __m256 facc[X8_RM];
-      for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
-      x8_tile_rm(rm, blk, nsb, xk.from(m), facc);
-      for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
-    }
-  }
-}
-
 // Q4_K rows [8 g0, 8 g1) of w (uint8 [N, K / 256 * 144]) -> row groups [g0, g1) of the Q4_Kx8 layout
 void x8_repack(const uint8_t* w, int64_t row_bytes, int64_t nsb, int64_t g0, int64_t g1, uint8_t* out) {
   for (int64_t grp = g0; grp < g1; ++grp)
@@ -881,16 +856,26 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
 }
 #endif
 
-template <int RM = X8_RM>
-inline void q6x8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
+// Output rows [n0, n1) of a Q4_Kx8 or Q6_Kx8 matrix (row groups of 8 starting in that range) against
+// the M rows of x into y (row stride ldy), in tiles of X8_RM rows of x
+struct Q4Kx8Tile {
+  template <int RM> static void run(const uint8_t* b, int64_t nsb, const ActK& a, __m256* f) { x8_tile<RM>(b, nsb, a, f); }
+};
+struct Q6Kx8Tile {
+  template <int RM> static void run(const uint8_t* b, int64_t nsb, const ActK& a, __m256* f) { q6x8_tile<RM>(b, nsb, a, f); }
+};
+
+template <class Tile, int RM = X8_RM>
+inline void kx8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
   if constexpr (RM > 1) {
-    if (rm < RM) return q6x8_tile_rm<RM - 1>(rm, blk, nsb, a, facc);
+    if (rm < RM) return kx8_tile_rm<Tile, RM - 1>(rm, blk, nsb, a, facc);
   }
-  q6x8_tile<RM>(blk, nsb, a, facc);
+  Tile::template run<RM>(blk, nsb, a, facc);
 }
 
-void q6x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
-               int64_t ldy) {
+template <class Tile>
+void kx8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, const ActK& xk, int64_t M, float* y,
+              int64_t ldy) {
   const int64_t nsb = xk.K / 256;
   for (int64_t grp = (n0 + 7) / 8; grp * 8 < n1; ++grp) {
     const uint8_t* blk = w + grp * group_bytes;
@@ -898,7 +883,7 @@ void q6x8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, co
       const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
       __m256 facc[X8_RM];
       for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
-      q6x8_tile_rm(rm, blk, nsb, xk.from(m), facc);
+      kx8_tile_rm<Tile>(rm, blk, nsb, xk.from(m), facc);
       for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
     }
   }
@@ -1429,11 +1414,11 @@ at::Tensor gguf_linear_impl(const at::Tensor& x, at::TensorList ws, at::IntArray
       const int64_t lo = std::max(n0, off[i]), hi = std::min(n1, off[i + 1]);
       if (lo >= hi) continue;
       if (types[i] == Q4_KX8) {
-        x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
+        kx8_rows<Q4Kx8Tile>(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
         continue;
       }
       if (types[i] == Q6_KX8) {
-        q6x8_rows(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
+        kx8_rows<Q6Kx8Tile>(ws[i].data_ptr<uint8_t>(), ws[i].stride(0), lo - off[i], hi - off[i], ak, M, yp + off[i], N);
         continue;
       }
       if (c32x8_type(types[i])) {  // every M: the same products as c32_rows on the file's blocks
