@@ -539,23 +539,32 @@ inline int64_t load8(const int8_t* p) {
 // bytes 0..7 of v each twice: the byte of row r in 16-bit lane r (a row's scale for both its lanes)
 inline __m128i dup_bytes(__m128i v) { return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)); }
 
-// the min sums of super-block i (block b) for RM rows of x: macc[r] lane n = sum_g mn_g(n) * sum(x_g)
-template <int RM>
-__attribute__((always_inline)) inline void x8_mins(const uint8_t* b, const ActK& a, int64_t i, __m256i* macc) {
+// macc[r] lane n = sum over pairs p < P of the int16 pair (w[16 p + 2 n], w[16 p + 2 n + 1]) (bytes,
+// widened signed or not) times the pair (xs_r[2 p], xs_r[2 p + 1]), xs_r = xs + r * stride: the 8 rows'
+// mins (Q4_Kx8) or scales (Q6_Kx8) against the activations' code sums per 32 or per 16
+template <int RM, int P, bool SIGNED>
+__attribute__((always_inline)) inline void x8_pair_sums(const uint8_t* w, const int16_t* xs, int64_t stride, __m256i* macc) {
   for (int r = 0; r < RM; ++r) macc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int p = 0; p < 4; ++p) {
-    const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + X8_MN + 16 * p)));
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) {
+    const __m128i w8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * p));
+    const __m256i wv = SIGNED ? _mm256_cvtepi8_epi16(w8) : _mm256_cvtepu8_epi16(w8);
     for (int r = 0; r < RM; ++r) {
-      int32_t xb;
-      std::memcpy(&xb, a.b32 + r * (a.K / 32) + i * 8 + 2 * p, 4);
+      int32_t xp;
+      std::memcpy(&xp, xs + r * stride + 2 * p, 4);
 #if MTPLLM_VNNI
-      macc[r] = _mm256_dpwssd_epi32(macc[r], mn, _mm256_set1_epi32(xb));
+      macc[r] = _mm256_dpwssd_epi32(macc[r], wv, _mm256_set1_epi32(xp));
 #else
-      macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(xb)));
+      macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(wv, _mm256_set1_epi32(xp)));
 #endif
     }
   }
+}
+
+// the min sums of super-block i (block b) for RM rows of x: macc[r] lane n = sum_g mn_g(n) * sum(x_g)
+template <int RM>
+__attribute__((always_inline)) inline void x8_mins(const uint8_t* b, const ActK& a, int64_t i, __m256i* macc) {
+  x8_pair_sums<RM, 4, false>(b + X8_MN, a.b32 + i * 8, a.K / 32, macc);
 }
 
 // facc[r] += d * dx * sacc[r] - dmin * dx * macc[r] (super-block i, block b)
@@ -734,20 +743,7 @@ constexpr int64_t Q6_KX8 = 1014, Q6X8_BYTES = 1680, Q6X8_QH = 1024, Q6X8_SC = 15
 // scale of row n times the sum of x's codes
 template <int RM>
 __attribute__((always_inline)) inline void q6x8_offsets(const uint8_t* b, const ActK& a, int64_t i, __m256i* macc) {
-  for (int r = 0; r < RM; ++r) macc[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-  for (int g = 0; g < 8; ++g) {  // int16 pairs (scale 2 g, scale 2 g + 1) of each row
-    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_SC + 16 * g)));
-    for (int r = 0; r < RM; ++r) {
-      int32_t bs;
-      std::memcpy(&bs, a.bs + r * (a.K / 16) + i * 16 + 2 * g, 4);
-#if MTPLLM_VNNI
-      macc[r] = _mm256_dpwssd_epi32(macc[r], sc, _mm256_set1_epi32(bs));
-#else
-      macc[r] = _mm256_add_epi32(macc[r], _mm256_madd_epi16(sc, _mm256_set1_epi32(bs)));
-#endif
-    }
-  }
+  x8_pair_sums<RM, 8, true>(b + Q6X8_SC, a.bs + i * 16, a.K / 16, macc);  // pairs (scale 2 g, scale 2 g + 1)
 }
 
 // facc[r] += d * dx * (s[r] - 32 * macc[r])
