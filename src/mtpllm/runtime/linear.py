@@ -239,7 +239,7 @@ class Linear(torch.nn.Module):
         self.scales_zeros = scales_zeros
         self.blocks = blocks or []
         self.ggufs = ggufs or []  # (uint8 [N_i, row bytes], GGML type id) per fused tensor
-        # what the kernel multiplies: the file's blocks, or Q4_K repacked by 8 rows (`repack`)
+        # what the kernel multiplies: the file's blocks, or the 8-row layout (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0) (`repack`)
         self._gw = [w for w, _ in packed or self.ggufs]
         self._gt = [t for _, t in packed or self.ggufs]
         self._kquant = bool(self._gt) and all(t in K_QUANTS or t in kernels.KX8_TYPES for t in self._gt)
