@@ -616,3 +616,36 @@ def test_short_documents_are_padded_windows_whose_padding_is_never_seen(setup, t
                                "ids": ids20[:MIN_WINDOW - 1]}) + "\n")
     got = token_windows(eng.tokenizer, read_texts([str(f)]), 48, 10_000, 0)
     assert got == [ids20]
+
+
+@pytest.mark.parametrize("head_type, rel", [("q5_0", 0.06), ("q4_0", 0.12), ("f16", 1e-3)])
+def test_head_type_sets_the_matrices_storage(setup, head_type, rel):
+    """--head-type: the written head's matrices are stored in that type (vectors stay float32), they
+    dequantize to the trained weights within the type's rounding error (Q5_0 keeps 5 bits per weight:
+    ~1/32 of a block's range; Q4_0 ~1/16), and the file drafts through the MTP proposer."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize
+    eng = setup[0]
+    tr = _trainer(setup, f"mtp-{head_type}.gguf", 3, head_type=head_type)
+    tr.train(progress=None)
+    g = GGUFFile(tr.write_gguf(sha256_cached(eng.model.source)))
+    want = tr.head.export(eng.model.cfg.n_layers)
+    for name, t in want.items():
+        info = g.info(name)
+        if t.ndim == 1:
+            assert info.qtype == QT.F32
+            continue
+        assert info.qtype == QT[head_type.upper()], name
+        got = dequantize(g.raw(name), info.qtype).reshape(t.shape)
+        err = float(abs(torch.from_numpy(got.astype("float32")) - t).max() / t.abs().max())
+        assert err < rel, (name, err)
+    ids = setup[1][0]
+    spec = SpecConfig("mtp", 3, mtp_head=str(g.path)).build(eng)
+    out = eng.generate(prompt_ids=ids[:20], params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       speculative=spec)
+    assert out.stats.to_dict()["num_drafts"] > 0
+
+
+def test_head_type_rejects_unknown():
+    with pytest.raises(MtpllmError, match="head type"):
+        TrainConfig(head_type="q3_k")

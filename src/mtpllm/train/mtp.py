@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MtpllmError
+from . import HEAD_TYPES
 from ..gguf.reader import GGUFFile
 from ..models.base import Transformer
 from ..runtime.linear import Linear
@@ -341,6 +342,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     max_tokens: int = 2_000_000
     precision: str = "fp32"  # "bf16": the head's products under bfloat16 autocast (norms, losses, teacher: float32)
+    head_type: str = "q8_0"  # storage of the written head's matrices (HEAD_TYPES); vectors stay float32
 
     def __post_init__(self):
         for k in ("steps", "seq_len", "batch", "checkpoint_every", "max_tokens"):
@@ -350,6 +352,8 @@ class TrainConfig:
             raise MtpllmError("train-mtp: seq-len must be at least 8")
         if not self.lr > 0:
             raise MtpllmError(f"train-mtp: lr must be > 0, got {self.lr}")
+        if self.head_type not in HEAD_TYPES:
+            raise MtpllmError(f"train-mtp: head type must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}")
         if not self.feature_weight >= 0:
             raise MtpllmError(f"train-mtp: feature-weight must be >= 0, got {self.feature_weight}")
         if not 1 <= self.depth <= 8:
@@ -722,9 +726,11 @@ class Trainer:
         c = self.trunk.cfg
         L = c.n_layers
         tensors = {}
+        mat_type = QT[self.cfg.head_type.upper()]
         for name, t in self.head.export(L).items():
             a = t.numpy()
-            qt = QT.Q8_0 if a.ndim == 2 and a.shape[1] % 32 == 0 else QT.F32
+            # block types need rows in whole blocks of 32; norms and other vectors stay float32
+            qt = mat_type if a.ndim == 2 and (a.shape[1] % 32 == 0 or mat_type in (QT.F16, QT.F32)) else QT.F32
             tensors[name] = (quantize(a, qt), qt)
         meta = {".block_count": L + 1, ".nextn_predict_layers": 1, ".embedding_length": c.d_model,
                 ".feed_forward_length": int(self.head.wgate.shape[0]), ".attention.head_count": c.n_heads,
