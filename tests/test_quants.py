@@ -389,6 +389,15 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     sub = head.rows(ids)
     assert sub.kind == "gguf"
     assert torch.equal(sub(x), head(x)[:, ids])
+    # 8 or more rows in whole groups: the slice is repacked, and only the repacked copy is kept
+    ids = torch.tensor([5, 1, 40, 2, 63, 8, 9, 30, 11, 12, 50, 14, 33, 16, 0, 18])
+    sub = head.rows(ids)
+    assert [t for _, t in sub.ggufs] == [kernels.Q5_0X8]
+    assert torch.equal(sub.dequantized(), w[:64][ids])
+    # the 8-row layout's products sum in the prompt-chunk kernel's order, not the file kernel's
+    torch.testing.assert_close(sub(x), head(x)[:, ids], rtol=1e-5, atol=1e-4)
+    again = sub.rows(torch.tensor([15, 3, 7]))  # a slice of a slice: the repacked rows' exact weights
+    torch.testing.assert_close(again(x), x @ w[:64][ids[[15, 3, 7]]].T, rtol=1e-5, atol=1e-4)
 
 
 def _x8(n, k, seed, t8=kernels.Q4_KX8):
