@@ -646,6 +646,26 @@ def test_head_type_sets_the_matrices_storage(setup, head_type, rel):
     assert out.stats.to_dict()["num_drafts"] > 0
 
 
+def test_finished_run_is_written_again_as_another_type(setup):
+    """Repeating a finished run with another --head-type resumes at its last step, trains nothing,
+    and writes the checkpoint's float32 weights in the new type."""
+    from gguf import GGMLQuantizationType as QT
+    eng = setup[0]
+    tr = _trainer(setup, "mtp-re.gguf", 5)
+    tr.train(progress=None)
+    sha = sha256_cached(eng.model.source)
+    q8 = GGUFFile(tr.write_gguf(sha))
+    assert q8.info("blk.2.ffn_up.weight").qtype == QT.Q8_0
+    again = _trainer(setup, "mtp-re.gguf", 5, head_type="q5_0")
+    assert again.load_checkpoint() and again.step == 5
+    again.train(progress=None)
+    assert again.step == 5 and again.losses == tr.losses
+    for (name, a), b in zip(tr.head.state_dict().items(), again.head.state_dict().values()):
+        assert torch.equal(a, b), name
+    q5 = GGUFFile(again.write_gguf(sha))
+    assert q5.info("blk.2.ffn_up.weight").qtype == QT.Q5_0 and q5.get("mtpllm.train.steps") == 5
+
+
 def test_head_type_rejects_unknown():
     with pytest.raises(MtpllmError, match="head type"):
         TrainConfig(head_type="q3_k")

@@ -603,7 +603,9 @@ class Trainer:
             raise MtpllmError(f"{self.ckpt_path}: cannot read checkpoint ({exc}); delete it to start over") from None
         # the number of steps (and checkpoint period) may change between runs: resuming with a larger
         # --steps continues training (the cosine schedule stretches to the new total)
-        free = ("steps", "checkpoint_every", "precision")
+        # (and the head's storage type is only the export's: the same run can be written again as
+        # another type, from the checkpoint's float32 weights, by repeating it with --head-type)
+        free = ("steps", "checkpoint_every", "precision", "head_type")
         same = {k: v for k, v in (ck.get("cfg") or {}).items() if k not in free} == \
             {k: v for k, v in self.cfg.__dict__.items() if k not in free}
         if ck.get("version") != CKPT_VERSION or not same:
