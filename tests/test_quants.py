@@ -392,7 +392,7 @@ def test_gguf_linear_fuses_types_and_slices_rows():
     # 8 or more rows in whole groups: the slice is repacked, and only the repacked copy is kept
     ids = torch.tensor([5, 1, 40, 2, 63, 8, 9, 30, 11, 12, 50, 14, 33, 16, 0, 18])
     sub = head.rows(ids)
-    assert [t for _, t in sub.ggufs] == [kernels.Q5_0X8]
+    assert [t for _, t in sub.ggufs] == [kernels.Q5_0X8] and (sub.out_features, sub.in_features) == (16, k)
     assert torch.equal(sub.dequantized(), w[:64][ids])
     # the 8-row layout's products sum in the prompt-chunk kernel's order, not the file kernel's
     torch.testing.assert_close(sub(x), head(x)[:, ids], rtol=1e-5, atol=1e-4)

@@ -250,7 +250,8 @@ class Linear(torch.nn.Module):
             out_features = sum(b.shape[0] for b in self.blocks)
             in_features = self.blocks[0].shape[1]
         if kind == "gguf":
-            out_features = sum(w.shape[0] for w, _ in self.ggufs)
+            # (a part in an 8-row layout has one row of bytes per 8 weight rows)
+            out_features = sum(w.shape[0] * (8 if t in kernels.X8_TYPES else 1) for w, t in self.ggufs)
         self.out_features = out_features or weight.shape[0]
         self.in_features = in_features or weight.shape[1]
 
