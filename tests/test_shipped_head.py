@@ -16,10 +16,10 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
-# 2.43 when trained (753 of 1578 drafted tokens over 526 drafts), the same on every run here (greedy,
-# and the kernels give the same bits on AVX2 and AVX-512 VNNI). The issue asks above 2.0; the bar keeps
-# this head's margin over the previous one (2.32).
-SHIPPED_MIN_MEAN_ACCEPTANCE = 2.35
+# 2.50 when trained and written as Q5_0 (769 of 1539 drafted tokens over 513 drafts), the same on every
+# run here (greedy, and the kernels give the same bits on AVX2 and AVX-512 VNNI). The issue asks above
+# 2.0; the bar keeps this head's margin over the previous one (2.43).
+SHIPPED_MIN_MEAN_ACCEPTANCE = 2.45
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +57,10 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.18 when trained
-# (678 of 1722 drafted tokens over 574 drafts, with the request's own tokens as draft candidates;
-# the same bits on every run here, like the 0.5B's).
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.1
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.24 when trained and
+# written as Q5_0 (706 of 1710 drafted tokens over 570 drafts, with the request's own tokens as draft
+# candidates; the same bits on every run here, like the 0.5B's). The previous head: 2.18.
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.2
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
