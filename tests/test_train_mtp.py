@@ -553,14 +553,16 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         "def public(a, b):\n    \"\"\"Return the sum of a and b, computed the long way round for the test.\"\"\"\n"]
     out = tiny_dir / "answers.jsonl"
     args = ["-m", str(model), "--stdlib", str(src), "--code", "5", "-n", "2", "--batch", "8", "-o", str(out), "--threads", "1"]
-    assert sa.main(args + ["--more-prose", "2"]) == 0
+    assert sa.main(args + ["--more-prose", "3"]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    want = sa.PROSE + sa.MORE_PROSE + sa.PROSE_2 + sa.PROSE_3 + sa.stdlib_prompts(src, 5, 0)
+    want = sa.PROSE + sa.MORE_PROSE + sa.PROSE_2 + sa.PROSE_3 + sa.PROSE_4 + sa.stdlib_prompts(src, 5, 0)
     assert sorted(r["prompt"] for r in recs) == sorted(want) and len(set(want)) == len(want)
+    from mtpllm.bench.workloads import PROSE_PROMPTS
+    assert not set(want) & set(PROSE_PROMPTS)  # the benchmark's held-out prose prompts are never asked
     assert all(r["prompt"] in r["text"] and "<|im_start|>" in r["text"] for r in recs)
-    assert sa.main(args + ["--more-prose", "2"]) == 0 and len(out.read_text().splitlines()) == len(recs)
+    assert sa.main(args + ["--more-prose", "3"]) == 0 and len(out.read_text().splitlines()) == len(recs)
     with pytest.raises(SystemExit):
-        sa.main(args + ["--more-prose", "3"])
+        sa.main(args + ["--more-prose", "4"])
     # --states: each record also carries its exact tokens, and their states lie beside the file
     import numpy as np
     from mtpllm.train.mtp import read_texts as rt
