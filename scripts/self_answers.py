@@ -216,7 +216,8 @@ PROSE_3 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_3]
            + [f"Write a short essay {e}." for e in ESSAYS]
            + [f"Describe {p}, as in a novel." for p in PLACES])
 
-# a fifth set (`--more-prose 3`); none of these is one of the benchmark's held-out prose prompts
+# a fifth set (`--more-prose 3`); none of these is one of the benchmark's held-out prose prompts, nor
+# on one of their subjects (lighthouses, bees, trains, the sky's colour, autumn leaves)
 STORY_SUBJECTS_4 = [
     "a shepherd who counts the stars instead of sheep", "a girl who repairs old radios for her neighbours",
     "a penguin who wants to see the desert", "a kite that escapes from a boy and travels the world",
