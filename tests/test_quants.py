@@ -367,7 +367,7 @@ def test_kquant_prompt_chunks_stay_on_the_kernel_row_for_row(qtype):
 @needs_kernel
 def test_gguf_linear_fuses_types_and_slices_rows():
     """q (Q5_0), k (Q4_K) and v (Q8_0) of mixed types run as one call in order; `rows` (the MTP
-    draft vocabulary) keeps the file's blocks; 32+ rows (prompt chunks) take the integer chunk
+    draft vocabulary) slices the file's blocks, repacked when whole 8-row groups allow; 32+ rows (prompt chunks) take the integer chunk
     kernels (the same formula: x quantized per block) in one call too."""
     from mtpllm.runtime.linear import GEMM_MIN_ROWS, Linear
     k = 512
