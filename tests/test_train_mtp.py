@@ -110,6 +110,31 @@ def test_checkpoint_with_other_settings_is_refused(setup):
         b.load_checkpoint()
 
 
+def test_checkpoint_from_before_a_setting_existed_resumes(setup):
+    """A checkpoint written before a setting was added (its cfg lacks the key) resumes when that
+    setting has its default value, and is refused otherwise."""
+    a = _trainer(setup, "mtp-old.gguf", 4)
+    a.train(progress=None)
+    ck = torch.load(a.ckpt_path, weights_only=False)
+    del ck["cfg"]["hard_weight"]
+    torch.save(ck, a.ckpt_path)
+    b = _trainer(setup, "mtp-old.gguf", 6)
+    assert b.load_checkpoint() and b.step == 4
+    with pytest.raises(MtpllmError, match="other settings"):
+        _trainer(setup, "mtp-old.gguf", 6, hard_weight=0.5).load_checkpoint()
+
+
+def test_hard_weight_adds_the_cross_entropy_of_the_trunks_argmax(setup):
+    """--hard-weight w adds w times the cross-entropy of the teacher's argmax token to the loss of
+    every draft position: linear in w and positive."""
+    losses = {w: _trainer(setup, f"mtp-hard{w}.gguf", 2, hard_weight=w, depth=2).batch_loss([0, 1]).item()
+              for w in (0.0, 1.0, 2.0)}
+    ce = losses[1.0] - losses[0.0]
+    assert ce > 0.1 and abs((losses[2.0] - losses[0.0]) - 2 * ce) < 1e-3 * abs(ce) + 1e-4
+    with pytest.raises(MtpllmError, match="hard-weight"):
+        TrainConfig(hard_weight=-1)
+
+
 def test_head_for_another_trunk_is_refused(setup, tiny_dir):
     tr = _trainer(setup, "mtp-e.gguf", 2)
     tr.train(progress=None)

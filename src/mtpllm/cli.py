@@ -241,6 +241,8 @@ def cmd_train_mtp(argv: list[str]) -> int:
                     help="weight of each further position's loss relative to the previous one")
     ap.add_argument("--feature-weight", type=float, default=1.0,
                     help="weight of the hidden-state regression that keeps k > 1 drafts on track (0 = KL only)")
+    ap.add_argument("--hard-weight", type=float, default=0.0,
+                    help="weight of a cross-entropy term on the trunk's argmax token, added to the KL (default 0)")
     ap.add_argument("--answer-only", action="store_true",
                     help="in records that mark their prompt (self_answers.py's n_prompt) train only on predicting "
                          "answer tokens, what the head drafts; other text is scored everywhere")
@@ -289,7 +291,7 @@ def cmd_train_mtp(argv: list[str]) -> int:
     device = resolve_device(a.device)
     precision = a.precision if a.precision != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
     cfg = TrainConfig(steps=a.steps, seq_len=a.seq_len, batch=a.batch, lr=a.lr, ffn=a.ffn,
-                      draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, depth=a.depth,
+                      draft_vocab=a.draft_vocab, feature_weight=a.feature_weight, hard_weight=a.hard_weight, depth=a.depth,
                       depth_weight=a.depth_weight, answer_only=a.answer_only,
                       context_tokens=a.context_tokens, seed=a.seed,
                       checkpoint_every=a.checkpoint_every,

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -332,6 +332,9 @@ class TrainConfig:
     ffn: int = 0  # 0 = trunk's FFN width
     draft_vocab: int = 0  # 0 = full vocabulary
     feature_weight: float = 1.0  # weight of the hidden-state regression term (0 = KL only)
+    # weight of a cross-entropy term on the trunk's own argmax token (what greedy verification
+    # accepts: the head's argmax must be the trunk's), added to the KL at every draft position
+    hard_weight: float = 0.0
     depth: int = 1  # draft positions trained: 2+ also trains the head on its own outputs (recursion)
     depth_weight: float = 0.5  # weight of each further position's loss, relative to the previous one
     answer_only: bool = False  # in records that mark their prompt (n_prompt), score only answer tokens
@@ -356,6 +359,8 @@ class TrainConfig:
             raise MtpllmError(f"train-mtp: head type must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}")
         if not self.feature_weight >= 0:
             raise MtpllmError(f"train-mtp: feature-weight must be >= 0, got {self.feature_weight}")
+        if not self.hard_weight >= 0:
+            raise MtpllmError(f"train-mtp: hard-weight must be >= 0, got {self.hard_weight}")
         if not 1 <= self.depth <= 8:
             raise MtpllmError(f"train-mtp: depth must be between 1 and 8, got {self.depth}")
         if not self.depth_weight > 0:
@@ -606,7 +611,9 @@ class Trainer:
         # (and the head's storage type is only the export's: the same run can be written again as
         # another type, from the checkpoint's float32 weights, by repeating it with --head-type)
         free = ("steps", "checkpoint_every", "precision", "head_type")
-        same = {k: v for k, v in (ck.get("cfg") or {}).items() if k not in free} == \
+        # a setting added after the checkpoint was written counts as its default there
+        saved = {f.name: f.default for f in fields(TrainConfig)} | (ck.get("cfg") or {})
+        same = {k: v for k, v in saved.items() if k not in free} == \
             {k: v for k, v in self.cfg.__dict__.items() if k not in free}
         if ck.get("version") != CKPT_VERSION or not same:
             raise MtpllmError(f"{self.ckpt_path}: checkpoint was made with other settings "
@@ -637,6 +644,8 @@ class Trainer:
         """Loss of one draft position, mean over the scored positions (mask [B, T]: 1 = scored)."""
         logp = self._logp(out, ctx)
         kl = (tgt.exp() * (tgt - logp)).sum(-1)  # KL(teacher || head) per position
+        if self.cfg.hard_weight:  # and the cross-entropy of the teacher's argmax
+            kl = kl - self.cfg.hard_weight * logp.gather(-1, tgt.argmax(-1, keepdim=True)).squeeze(-1)
         mean = (lambda t: t.mean()) if mask is None else (lambda t: (t * mask).sum() / mask.sum().clamp_min(1))
         if not self.cfg.feature_weight:
             return mean(kl)
