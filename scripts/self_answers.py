@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import json
 import random
 import re
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
                     help="requests decoded together (Engine.generate_batch; 1 = one at a time with n-gram speculation)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--skip", nargs="*", default=[], help="earlier output files: their prompts are not asked again")
+    ap.add_argument("--skip", nargs="*", default=[], help="earlier output files (.jsonl or .jsonl.gz): their prompts are not asked again")
     ap.add_argument("--states", action="store_true",
                     help="also keep the model's hidden state of every token (from the same decoding, batches only) "
                          "in OUT.states/, where `mtpllm train-mtp --data OUT` finds them instead of computing them")
@@ -383,8 +384,11 @@ def main(argv=None) -> int:
     out = Path(a.out)
     done = set()
     for f in [out] + [Path(x) for x in a.skip]:
-        if f.exists():
-            done |= {json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()}
+        if f.exists():  # the shipped rounds are gzipped (data/*.jsonl.gz)
+            text = gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()
+            done |= {json.loads(line)["prompt"] for line in text.splitlines() if line.strip()}
+        elif f != out:
+            ap.error(f"--skip: no such file: {f}")
     todo = [p for p in prompts if p not in done]
     print(f"{len(prompts)} prompts, {len(todo)} to do", flush=True)
     states_dir = None

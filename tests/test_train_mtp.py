@@ -590,6 +590,15 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
     assert not any(sa._clear_of_held_out(p) for p in PROSE_PROMPTS)
     assert all(r["prompt"] in r["text"] and "<|im_start|>" in r["text"] for r in recs)
     assert sa.main(args + ["--more-prose", "4"]) == 0 and len(out.read_text().splitlines()) == len(recs)
+    # an earlier round given to --skip, gzipped as the shipped ones are: its prompts are not asked
+    import gzip
+    (tiny_dir / "earlier.jsonl.gz").write_bytes(gzip.compress(out.read_bytes()))
+    again = tiny_dir / "answers-again.jsonl"
+    skip = args[:-4] + ["-o", str(again), "--threads", "1", "--skip", str(tiny_dir / "earlier.jsonl.gz")]
+    assert sa.main(skip + ["--more-prose", "4"]) == 0
+    assert again.read_text() == ""  # everything was answered in the earlier round
+    with pytest.raises(SystemExit):
+        sa.main(skip + ["--skip", str(tiny_dir / "no-such-round.jsonl")])
     with pytest.raises(SystemExit):
         sa.main(args + ["--more-prose", "5"])
     # --states: each record also carries its exact tokens, and their states lie beside the file
