@@ -16,10 +16,10 @@ from mtpllm.train.mtp import evaluate_head, humaneval_prompts
 pytestmark = pytest.mark.slow
 
 # Mean acceptance length (k = 3, greedy, 10 HumanEval prompts, 128 new tokens) of the shipped head:
-# 2.50 when trained and written as Q5_0 (769 of 1539 drafted tokens over 513 drafts), the same on every
+# 2.63 when trained and written as Q5_0 (793 of 1461 drafted tokens over 487 drafts), the same on every
 # run here (greedy, and the kernels give the same bits on AVX2 and AVX-512 VNNI). The issue asks above
-# 2.0; the bar keeps this head's margin over the previous one (2.43).
-SHIPPED_MIN_MEAN_ACCEPTANCE = 2.45
+# 2.0; the bar keeps this head's margin over the previous one (2.50).
+SHIPPED_MIN_MEAN_ACCEPTANCE = 2.55
 
 
 @pytest.fixture(scope="module")
