@@ -371,6 +371,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.states and a.batch == 1:
         ap.error("--states needs --batch 2 or more (the states come from Engine.generate_batch)")
+    missing = [x for x in a.skip if not Path(x).exists()]
+    if missing:  # before the model is loaded
+        ap.error(f"--skip: no such file: {missing[0]}")
 
     from mtpllm.runtime.engine import Engine
     from mtpllm.runtime.sampling import SamplingParams
@@ -387,8 +390,6 @@ def main(argv=None) -> int:
         if f.exists():  # the shipped rounds are gzipped (data/*.jsonl.gz)
             text = gzip.decompress(f.read_bytes()).decode() if f.suffix == ".gz" else f.read_text()
             done |= {json.loads(line)["prompt"] for line in text.splitlines() if line.strip()}
-        elif f != out:
-            ap.error(f"--skip: no such file: {f}")
     todo = [p for p in prompts if p not in done]
     print(f"{len(prompts)} prompts, {len(todo)} to do", flush=True)
     states_dir = None

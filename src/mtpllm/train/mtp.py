@@ -643,18 +643,18 @@ class Trainer:
                    mask: torch.Tensor | None = None, ctx=None) -> torch.Tensor:
         """Loss of one draft position, mean over the scored positions (mask [B, T]: 1 = scored)."""
         logp = self._logp(out, ctx)
-        kl = (tgt.exp() * (tgt - logp)).sum(-1)  # KL(teacher || head) per position
+        div = (tgt.exp() * (tgt - logp)).sum(-1)  # KL(teacher || head) per position
         if self.cfg.hard_weight:  # and the cross-entropy of the teacher's argmax
-            kl = kl - self.cfg.hard_weight * logp.gather(-1, tgt.argmax(-1, keepdim=True)).squeeze(-1)
+            div = div - self.cfg.hard_weight * logp.gather(-1, tgt.argmax(-1, keepdim=True)).squeeze(-1)
         mean = (lambda t: t.mean()) if mask is None else (lambda t: (t * mask).sum() / mask.sum().clamp_min(1))
         if not self.cfg.feature_weight:
-            return mean(kl)
+            return mean(div)
         # For k > 1 the head's output is fed back in place of the trunk's next hidden state, so it
         # should also BE that state, not only share its logits (EAGLE's feature regression): smooth
         # L1 to the trunk's state, relative to that state's mean magnitude.
         scale = nxt.abs().mean().clamp_min(1e-6)
         feat = F.smooth_l1_loss(out.float() / scale, nxt / scale, reduction="none").mean(-1)
-        return mean(kl) + self.cfg.feature_weight * mean(feat)
+        return mean(div) + self.cfg.feature_weight * mean(feat)
 
     def batch_loss(self, idx: list[int]) -> torch.Tensor:
         """Draft position 1: the head reads the trunk's state h_j and token t_{j+1} and is scored
