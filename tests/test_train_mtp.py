@@ -578,29 +578,30 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         "def public(a, b):\n    \"\"\"Return the sum of a and b, computed the long way round for the test.\"\"\"\n"]
     out = tiny_dir / "answers.jsonl"
     args = ["-m", str(model), "--stdlib", str(src), "--code", "5", "-n", "2", "--batch", "8", "-o", str(out), "--threads", "1"]
-    assert sa.main(args + ["--more-prose", "4"]) == 0
+    assert sa.main(args + ["--more-prose", "5"]) == 0
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    want = sa.PROSE + sa.MORE_PROSE + sa.PROSE_2 + sa.PROSE_3 + sa.PROSE_4 + sa.PROSE_5 + sa.stdlib_prompts(src, 5, 0)
+    want = sa.PROSE + sa.MORE_PROSE + sa.PROSE_2 + sa.PROSE_3 + sa.PROSE_4 + sa.PROSE_5 + sa.PROSE_6 + sa.stdlib_prompts(src, 5, 0)
     assert sorted(r["prompt"] for r in recs) == sorted(want) and len(set(want)) == len(want)
     from mtpllm.bench.workloads import PROSE_PROMPTS
     assert not set(want) & set(PROSE_PROMPTS)  # the benchmark's held-out prose prompts are never asked
-    # the sixth set also avoids their subjects: each held-out prompt names one of the listed subjects,
-    # no prompt of the set does
+    # the sixth and seventh sets also avoid their subjects: each held-out prompt names one of the
+    # listed subjects, no prompt of the sets does
     assert len(sa.PROSE_5) > 250 and all(sa._clear_of_held_out(p) for p in sa.PROSE_5)
+    assert len(sa.PROSE_6) > 200 and all(sa._clear_of_held_out(p) for p in sa.PROSE_6)
     assert not any(sa._clear_of_held_out(p) for p in PROSE_PROMPTS)
     assert all(r["prompt"] in r["text"] and "<|im_start|>" in r["text"] for r in recs)
-    assert sa.main(args + ["--more-prose", "4"]) == 0 and len(out.read_text().splitlines()) == len(recs)
+    assert sa.main(args + ["--more-prose", "5"]) == 0 and len(out.read_text().splitlines()) == len(recs)
     # an earlier round given to --skip, gzipped as the shipped ones are: its prompts are not asked
     import gzip
     (tiny_dir / "earlier.jsonl.gz").write_bytes(gzip.compress(out.read_bytes()))
     again = tiny_dir / "answers-again.jsonl"
     skip = args[:-4] + ["-o", str(again), "--threads", "1", "--skip", str(tiny_dir / "earlier.jsonl.gz")]
-    assert sa.main(skip + ["--more-prose", "4"]) == 0
+    assert sa.main(skip + ["--more-prose", "5"]) == 0
     assert again.read_text() == ""  # everything was answered in the earlier round
     with pytest.raises(SystemExit):
         sa.main(skip + ["--skip", str(tiny_dir / "no-such-round.jsonl")])
     with pytest.raises(SystemExit):
-        sa.main(args + ["--more-prose", "5"])
+        sa.main(args + ["--more-prose", "6"])
     # --states: each record also carries its exact tokens, and their states lie beside the file
     import numpy as np
     from mtpllm.train.mtp import read_texts as rt
