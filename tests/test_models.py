@@ -239,6 +239,51 @@ def test_fused_decode_operators_match_pytorch(tiny_models, arch, monkeypatch):
                                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
 
 
+@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (14, 2, 64), (6, 3, 80), (4, 2, 36)])
+def test_cached_attention_rows_alone_or_together(H, KV, D):
+    """The fused decode attention (rotary, cache write, attention over the cache) takes the query
+    vectors that share a kv head together, sweeping keys and values in chunks: every row's output is
+    still bit for bit what it is when the row is decoded alone (verification of drafts must equal
+    decoding), at contexts that are and are not multiples of the chunk, head sizes with and without
+    a 32-dim tail; and it is attention (float64 reference, float32 rounding)."""
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    g = torch.Generator().manual_seed(D)
+    for start in (0, 37, 300):
+        T, max_len = 5, start + 8
+        kc, vc = torch.randn(KV, max_len, D, generator=g), torch.randn(KV, max_len, D, generator=g)
+        qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
+        ang = torch.randn(max_len, D // 2, generator=g)
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+
+        def attend(rows, at, k, v):
+            return kernels.attend_cached(rows.contiguous(), cos, sin, k, v, at, H, KV, D, D, True, D ** -0.5,
+                                         None, None, 1e-6)
+        k1, v1 = kc.clone(), vc.clone()
+        together = attend(qkv, start, k1, v1)
+        k2, v2 = kc.clone(), vc.clone()
+        alone = torch.cat([attend(qkv[t:t + 1], start + t, k2, v2) for t in range(T)])
+        assert torch.equal(together, alone) and torch.equal(k1, k2) and torch.equal(v1, v2)
+        # reference: NeoX rotary of q and k, k/v written at start.., causal softmax attention
+        x = qkv.double().view(T, H + 2 * KV, D)
+        c, s = cos[start:start + T].double()[:, None], sin[start:start + T].double()[:, None]
+        h = D // 2
+
+        def rot(u):
+            return torch.cat([u[..., :h] * c - u[..., h:] * s, u[..., h:] * c + u[..., :h] * s], -1)
+        q, k_new, v_new = rot(x[:, :H]), rot(x[:, H:H + KV]), x[:, H + KV:]
+        K, V = kc.double().clone(), vc.double().clone()
+        K[:, start:start + T], V[:, start:start + T] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+        torch.testing.assert_close(k1.double(), K, rtol=1e-5, atol=1e-5)
+        for t in range(T):
+            for hd in range(H):
+                kv = hd // (H // KV)
+                w = torch.softmax(K[kv, :start + t + 1] @ q[t, hd] * D ** -0.5, 0)
+                torch.testing.assert_close(together[t, hd * D:(hd + 1) * D].double(), w @ V[kv, :start + t + 1],
+                                           rtol=1e-4, atol=1e-5)
+
+
 def test_moving_a_model_moves_every_weight(tiny_models):
     """`model.to(device)` (how Engine.load places a model on a GPU) carries the Linear weights,
     which are plain attributes, along; the CPU-kernel formats refuse to move instead of failing

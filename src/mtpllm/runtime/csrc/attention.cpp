@@ -35,10 +35,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // bound by the FMA latency: 1.6 ms of a 29 ms step of the 1.5B at 300 positions), and their 8 sums
 // reduced together. A key's score depends only on q, the key and L (which keys form the blocks of 8):
 // the same whether its row is decoded alone or verified with others.
-inline void scores(const float* q, const float* K, int64_t D, int64_t L, float sc, float* p) {
-  int64_t j = 0;
+// Keys j0 .. j1 - 1 only (j0 a multiple of 8; j1 too unless j1 == L): the blocks are those of the
+// whole range 0 .. L - 1, so a key's score does not depend on how the range is cut.
+inline void scores(const float* q, const float* K, int64_t D, int64_t L, int64_t j0, int64_t j1, float sc, float* p) {
+  int64_t j = j0;
   if (D % 8 == 0)
-    for (; j + 8 <= L; j += 8) {
+    for (; j + 8 <= L && j + 8 <= j1; j += 8) {
       __m256 a[8];
       for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
@@ -51,7 +53,45 @@ inline void scores(const float* q, const float* K, int64_t D, int64_t L, float s
       const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
       _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_add_ps(lo, hi), _mm256_set1_ps(sc)));
     }
-  for (; j < L; ++j) p[j] = dot(q, K + j * D, D) * sc;
+  for (; j < j1; ++j) p[j] = dot(q, K + j * D, D) * sc;
+}
+
+// acc[d] += sum over keys j0 .. j1 - 1 (in order) of p[j] V[j][d]: 64 dims at a time in 8 vector
+// accumulators, then 32 in 4, then one by one, each element's multiply-adds in key order whatever
+// the chunks of keys, so chunked calls give the sums of one call over all keys bit for bit.
+inline void weighted_values(const float* p, const float* V, int64_t D, int64_t j0, int64_t j1, float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
+    for (int64_t jj = j0; jj < j1; ++jj) {
+      const __m256 w = _mm256_set1_ps(p[jj]);
+      const float* vr = V + jj * D + d;
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
+  }
+  for (; d + 32 <= D; d += 32) {
+    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8), a2 = _mm256_loadu_ps(acc + d + 16),
+           a3 = _mm256_loadu_ps(acc + d + 24);
+    for (int64_t jj = j0; jj < j1; ++jj) {
+      const __m256 w = _mm256_set1_ps(p[jj]);
+      const float* vr = V + jj * D + d;
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d];
+    for (int64_t jj = j0; jj < j1; ++jj) a += p[jj] * V[jj * D + d];
+    acc[d] = a;
+  }
 }
 
 inline void rms_row(const float* x, const float* w, float* y, int64_t n, float eps) {
@@ -145,71 +185,75 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
       std::memcpy(vp + (g * max_len + start + t) * D, r + (H + KV + g) * D, D * sizeof(float));
     }
   }
-  // 2. attention, one (row, head) per task
+  // 2. attention. The query vectors (row, head) that share a kv head are taken QCH at a time by one
+  // task, which sweeps the keys and values in chunks of CH positions: a chunk is read from L2 once
+  // and serves all of the task's queries from L1 (per query vector and per (row, head), the keys and
+  // values were streamed from L2 anew, 2 x 150 KB per head at 300 positions for the 1.5B, and that
+  // stream bounded the kernel). Each query's arithmetic is unchanged (the same blocks of 8 keys, the
+  // same order of multiply-adds per output element, its accumulators kept in memory between chunks),
+  // so a row's output is the same bit for bit whether it is decoded alone or verified with others.
   at::Tensor out = at::empty({T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const int64_t group = H / KV;
   const float sc = static_cast<float>(scale);
-  // (row, head) tasks of at least ~64K multiply-adds each: short contexts run on the calling thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, (start + 1) * D));
-  at::parallel_for(0, T * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(start + T);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, g = h / group;
-      const float* q = wp + t * row + h * D;
+  constexpr int64_t QCH = 8, CH = 32;  // CH: a multiple of 8, so chunks split no block of 8 keys
+  const int64_t nq = T * group, per = (nq + QCH - 1) / QCH;
+  // tasks of at least ~64K multiply-adds each: short contexts run on the calling thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, std::min(nq, QCH) * (start + 1) * D));
+  const int64_t P = start + T;  // the longest row's key count
+  at::parallel_for(0, KV * per, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> pbuf(QCH * P), acc(QCH * D);
+    for (int64_t task = i0; task < i1; ++task) {
+      const int64_t g = task / per, q0 = (task % per) * QCH, n = std::min(QCH, nq - q0);
       const float* K = kp + g * max_len * D;
       const float* V = vp + g * max_len * D;
-      const int64_t L = start + t + 1;
-      scores(q, K, D, L, sc, p.data());
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) mx = std::max(mx, p[j]);
-      const __m256 vmx = _mm256_set1_ps(mx);
-      __m256 vsum = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 8 <= L; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), vmx));
-        _mm256_storeu_ps(p.data() + j, e);
-        vsum = _mm256_add_ps(vsum, e);
+      const float* qv[QCH];
+      float* pv[QCH];
+      float* ov[QCH];
+      int64_t Lv[QCH], Lmax = 0;
+      float inv[QCH];
+      for (int64_t i = 0; i < n; ++i) {  // query q0 + i: row t, head h of this kv head's group
+        const int64_t t = (q0 + i) / group, h = g * group + (q0 + i) % group;
+        qv[i] = wp + t * row + h * D;
+        pv[i] = pbuf.data() + i * P;
+        ov[i] = op + t * H * D + h * D;
+        Lv[i] = start + t + 1;
+        Lmax = std::max(Lmax, Lv[i]);
       }
-      float sum = hsum(vsum);
-      for (; j < L; ++j) {
-        p[j] = std::exp(p[j] - mx);
-        sum += p[j];
-      }
-      const float inv = 1.0f / sum;
-      float* o = op + t * H * D + h * D;
-      int64_t d = 0;
-      for (; d + 64 <= D; d += 64) {  // 8 accumulators of 8 dims, keys in order
-        __m256 a[8];
-        for (int c = 0; c < 8; ++c) a[c] = _mm256_setzero_ps();
-        for (int64_t jj = 0; jj < L; ++jj) {
-          const __m256 w = _mm256_set1_ps(p[jj]);
-          const float* vr = V + jj * D + d;
-          for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), a[c]);
+      for (int64_t j0 = 0; j0 < Lmax; j0 += CH)
+        for (int64_t i = 0; i < n; ++i)
+          if (j0 < Lv[i]) scores(qv[i], K, D, Lv[i], j0, std::min(j0 + CH, Lv[i]), sc, pv[i]);
+      for (int64_t i = 0; i < n; ++i) {
+        float* p = pv[i];
+        const int64_t L = Lv[i];
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, p[j]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx));
+          _mm256_storeu_ps(p + j, e);
+          vsum = _mm256_add_ps(vsum, e);
         }
-        const __m256 vi = _mm256_set1_ps(inv);
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(a[c], vi));
-      }
-      for (; d + 32 <= D; d += 32) {  // 4 accumulators of 8 dims, keys in order
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t jj = 0; jj < L; ++jj) {
-          const __m256 w = _mm256_set1_ps(p[jj]);
-          const float* vr = V + jj * D + d;
-          a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
-          a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
-          a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-          a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+        float sum = hsum(vsum);
+        for (; j < L; ++j) {
+          p[j] = std::exp(p[j] - mx);
+          sum += p[j];
         }
-        const __m256 vi = _mm256_set1_ps(inv);
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(a0, vi));
-        _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(a1, vi));
-        _mm256_storeu_ps(o + d + 16, _mm256_mul_ps(a2, vi));
-        _mm256_storeu_ps(o + d + 24, _mm256_mul_ps(a3, vi));
+        inv[i] = 1.0f / sum;
+        std::memset(acc.data() + i * D, 0, D * sizeof(float));
       }
-      for (; d < D; ++d) {
-        float a = 0.0f;
-        for (int64_t jj = 0; jj < L; ++jj) a += p[jj] * V[jj * D + d];
-        o[d] = a * inv;
+      for (int64_t j0 = 0; j0 < Lmax; j0 += CH)
+        for (int64_t i = 0; i < n; ++i)
+          if (j0 < Lv[i]) weighted_values(pv[i], V, D, j0, std::min(j0 + CH, Lv[i]), acc.data() + i * D);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* a = acc.data() + i * D;
+        float* o = ov[i];
+        const __m256 vi = _mm256_set1_ps(inv[i]);
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(a + d), vi));
+        for (; d < D; ++d) o[d] = a[d] * inv[i];
       }
     }
   });
