@@ -42,6 +42,54 @@ def test_loss_decreases(setup):
     assert last < 0.8 * first
 
 
+def test_agreement_counts_teacher_forced_drafts(setup, capsys):
+    """Trainer.agreement (scripts/head_fit.py): per draft position, the positions scored, the greedy
+    drafts equal to the text's next token and those with every earlier draft equal too. On the
+    trunk's own greedy text (what the drafts are checked against when decoding) training raises
+    them, and position 1 is the head's own argmax over the trunk's states."""
+    eng, windows, d = setup
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    own_text = [w[:8] + eng.generate(prompt_ids=w[:8], params=params).tokens for w in windows[:12]]
+    tr = Trainer(eng, own_text, TrainConfig(steps=30, seq_len=48, batch=2, lr=3e-3, warmup=2, depth=2,
+                                            checkpoint_every=100), d / "mtp-fit.gguf", "own text")
+    tr.hidden.fill(None)
+    every = list(range(len(own_text)))
+
+    def total():
+        return sum(tr.agreement(every[i:i + 3]) for i in range(0, len(every), 3))
+    before = total()
+    assert before[:, 0].tolist() == [sum(len(w) - s - 1 for w in own_text) for s in (1, 2)]
+    assert (before[:, 2] <= before[:, 1]).all() and (before[:, 1] <= before[:, 0]).all()
+    assert before[0, 1] == before[0, 2]  # position 1 has no earlier draft
+    w = own_text[0]
+    with torch.no_grad():
+        out = tr.head(eng.model.embed(torch.tensor(w[1:]))[None], tr.hidden.get(0)[None, :-1])[0][0]
+        hits = int(((out @ tr.head_w.t()).argmax(-1)[:-1] == torch.tensor(w[2:])).sum())
+    assert hits == int(tr.agreement([0])[0, 1])
+    tr.train(progress=None)
+    after = total()
+    assert after[:, 0].tolist() == before[:, 0].tolist()
+    assert after[0, 1] > before[0, 1] + 0.1 * before[0, 0] and after[1, 2] > before[1, 2]
+    # scripts/head_fit.py reports the same counts for a written head, per data file
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import head_fit
+    head = tr.write_gguf(sha256_cached(eng.model.source))
+    import json
+    text = d / "own.jsonl"  # the exact tokens, as self_answers.py writes them (whole text scored: n_prompt 0)
+    text.write_text(json.dumps({"text": eng.tokenizer.decode(own_text[0]), "ids": own_text[0], "n_prompt": 0}) + "\n")
+    assert head_fit.main(["-m", str(eng.model.source), "--head", str(head), "--data", str(text), "--depth", "2",
+                          "--seq-len", "48", "--precision", "fp32", "-t", "1"]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith(f"own.jsonl: 1 windows, {len(own_text[0]) - 2} positions; per position ")
+    share = float(line.split("per position ")[1].split()[0])
+    # the written head is quantized (Q8_0): its drafts may differ from the float head's at a few positions
+    assert abs(share - float(tr.agreement([0])[0, 1]) / (len(own_text[0]) - 2)) < 0.1
+    with pytest.raises(SystemExit):
+        head_fit.main(["-m", str(eng.model.source), "--head", str(head), "--data", str(d / "missing.jsonl")])
+
+
 def test_roundtrip_gives_identical_drafts(setup):
     eng = setup[0]
     tr = _trainer(setup, "mtp-b.gguf", 5, ffn=256, draft_vocab=100)

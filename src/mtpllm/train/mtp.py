@@ -692,6 +692,47 @@ class Trainer:
             past.append(kv)
         return loss
 
+    @torch.no_grad()
+    def agreement(self, idx: list[int]) -> torch.Tensor:
+        """Teacher-forced drafts on windows idx, per draft position s = 1..depth: [depth, 3] counts of
+        (scored predictions, the head's greedy draft equal to the window's next token, equal with every
+        draft before it equal too). Each base position j of a window drafts as in speculative decoding
+        (the trunk's state h_j and token t_{j+1}, then its own outputs); a prediction is scored when the
+        token it predicts is in the window (and in the answer, with answer_only). On the model's own
+        greedy answers the window's tokens are the trunk's greedy choices, so column 2 over column 0
+        estimates the chance that a draft of s tokens is accepted whole: the same quantity on the
+        training text and on text the head never saw tells whether more text or a larger head is what
+        it lacks."""
+        lens = [len(self.windows[i]) for i in idx]
+        S = max(lens)
+        h = torch.stack([F.pad(self.hidden.get(i), (0, 0, 0, S - n)) for i, n in zip(idx, lens)]).to(self.device)
+        tok = torch.tensor([self.windows[i] + [0] * (S - n) for i, n in zip(idx, lens)], device=self.device)
+        valid = torch.tensor(lens, device=self.device)
+        first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)
+        ctx = self._context_rows(idx, S)
+        V = self.head_w.shape[0]
+        ids = self.vocab.to(self.device) if self.vocab is not None else torch.arange(V, device=self.device)
+        if ctx is not None:
+            extra = sorted(set().union(*(self.ctx_first[i] for i in idx)))
+            ids = torch.cat([ids, torch.tensor(extra, dtype=torch.long, device=self.device)])
+        embs = torch.stack([self.trunk.embed(t) for t in tok])
+        depth = min(self.cfg.depth, S - 2)
+        counts = torch.zeros(max(self.cfg.depth, 1), 3, dtype=torch.long)
+        prev, past, chain = h[:, :-1], [], None
+        for s in range(1, depth + 1):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
+                out, kv = self.head(embs[:, s:], prev[:, :S - s], past)
+            logp = self._logp(out, None if ctx is None else (ctx[0], ctx[1][:, s:]))
+            tpos = torch.arange(S - s, device=self.device)[None, :] + s + 1  # the predicted token's index
+            target = tok.gather(1, tpos.clamp(max=S - 1))
+            match = ids[logp.argmax(-1)] == target
+            chain = match if chain is None else chain[:, :S - s] & match
+            scored = (tpos < valid[:, None]) & (tpos >= first[:, None])
+            counts[s - 1] += torch.stack([scored.sum(), (match & scored).sum(), (chain & scored).sum()]).cpu()
+            prev = out
+            past.append(kv)
+        return counts
+
     def lr_at(self, step: int) -> float:
         c = self.cfg
         if step < c.warmup:
