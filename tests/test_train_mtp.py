@@ -58,6 +58,7 @@ def test_agreement_counts_teacher_forced_drafts(setup, capsys):
     def total():
         return sum(tr.agreement(every[i:i + 3]) for i in range(0, len(every), 3))
     before = total()
+    assert torch.equal(before, sum(tr.agreement([i]) for i in every))  # a batch counts what its windows do alone
     assert before[:, 0].tolist() == [sum(len(w) - s - 1 for w in own_text) for s in (1, 2)]
     assert (before[:, 2] <= before[:, 1]).all() and (before[:, 1] <= before[:, 0]).all()
     assert before[0, 1] == before[0, 2]  # position 1 has no earlier draft

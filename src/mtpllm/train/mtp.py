@@ -724,7 +724,7 @@ class Trainer:
                 out, kv = self.head(embs[:, s:], prev[:, :S - s], past)
             logp = self._logp(out, None if ctx is None else (ctx[0], ctx[1][:, s:]))
             tpos = torch.arange(S - s, device=self.device)[None, :] + s + 1  # the predicted token's index
-            target = tok.gather(1, tpos.clamp(max=S - 1))
+            target = tok.gather(1, tpos.clamp(max=S - 1).expand(len(idx), -1))
             match = ids[logp.argmax(-1)] == target
             chain = match if chain is None else chain[:, :S - s] & match
             scored = (tpos < valid[:, None]) & (tpos >= first[:, None])
