@@ -47,24 +47,33 @@ def main(argv=None) -> int:
     from mtpllm.train.mtp import TrainConfig, Trainer, read_texts, token_windows
     try:
         eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + 64), threads=a.threads)
+        cfg = TrainConfig(steps=1, seq_len=a.seq_len, batch=4, depth=a.depth, answer_only=not a.all_tokens,
+                          precision=a.precision)
+        # one trainer over every file's windows (the head and its lm_head rows are loaded once),
+        # each file's windows reported apart
+        windows, origins, parts = [], [], []
         for path in a.data:
-            origins: list = []
-            cfg = TrainConfig(steps=1, seq_len=a.seq_len, batch=4, depth=a.depth, answer_only=not a.all_tokens,
-                              precision=a.precision)
-            windows = token_windows(eng.tokenizer, read_texts([path]), cfg.seq_len, 10**9, 0, origins)
-            keep = sorted(random.Random(0).sample(range(len(windows)), min(a.max_windows, len(windows))))
-            windows, origins = [windows[i] for i in keep], [origins[i] for i in keep]
-            with tempfile.TemporaryDirectory() as tmp:
-                tr = Trainer(eng, windows, cfg, Path(tmp) / "unused.gguf", path, init=a.head, origins=origins)
-                tr.hidden.fill(None)
-                counts = sum(tr.agreement(tr.order[i:i + 4]) for i in range(0, len(tr.order), 4))
-            n = counts[:, 0].clamp_min(1).double()
-            alone = counts[:, 1] / n
-            whole = counts[:, 2] / n
-            print(f"{Path(path).name}: {len(tr.order)} windows, {int(counts[0, 0])} positions; per position "
-                  f"{' '.join(f'{x:.3f}' for x in alone.tolist())}; whole drafts "
-                  f"{' '.join(f'{x:.3f}' for x in whole.tolist())}; estimated mean acceptance length "
-                  f"{1 + float(whole.sum()):.3f}", flush=True)
+            o: list = []
+            w = token_windows(eng.tokenizer, read_texts([path]), cfg.seq_len, 10**9, 0, o)
+            keep = sorted(random.Random(0).sample(range(len(w)), min(a.max_windows, len(w))))
+            parts.append((path, range(len(windows), len(windows) + len(keep))))
+            windows += [w[i] for i in keep]
+            origins += [o[i] for i in keep]
+        with tempfile.TemporaryDirectory() as tmp:
+            tr = Trainer(eng, windows, cfg, Path(tmp) / "unused.gguf", "head_fit", init=a.head, origins=origins)
+            tr.hidden.fill(None)
+            for path, part in parts:
+                scored = [i for i in tr.order if i in part]  # windows with a scored token
+                if not scored:
+                    raise MtpllmError(f"{path}: no window with a token to score (answer tokens, or --all-tokens)")
+                counts = sum(tr.agreement(scored[i:i + 4]) for i in range(0, len(scored), 4))
+                n = counts[:, 0].clamp_min(1).double()
+                alone = counts[:, 1] / n
+                whole = counts[:, 2] / n
+                print(f"{Path(path).name}: {len(scored)} windows, {int(counts[0, 0])} positions; per position "
+                      f"{' '.join(f'{x:.3f}' for x in alone.tolist())}; whole drafts "
+                      f"{' '.join(f'{x:.3f}' for x in whole.tolist())}; estimated mean acceptance length "
+                      f"{1 + float(whole.sum()):.3f}", flush=True)
     except MtpllmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

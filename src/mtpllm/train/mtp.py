@@ -563,7 +563,7 @@ class Trainer:
 
     def _context_rows(self, idx: list[int], S: int):
         """For a batch: (lm_head rows of its windows' context tokens [E, D], known [B, S, E]: token e
-        is a candidate at trunk position r of window b), or None."""
+        is a candidate at trunk position r of window b, their token ids [E]), or None."""
         if self.ctx_first is None:
             return None
         toks = sorted(set().union(*(self.ctx_first[i] for i in idx)))
@@ -576,7 +576,7 @@ class Trainer:
                 first[b, col[t]] = pos
         rows = self.ctx_w[torch.tensor([self.ctx_index[t] for t in toks], device=self.device)]
         known = first.to(self.device)[:, None, :] <= torch.arange(S, device=self.device)[None, :, None]
-        return rows, known
+        return rows, known, torch.tensor(toks, dtype=torch.long, device=self.device)
 
     def _frequent(self, windows: list[list[int]], n: int, prior: torch.Tensor | None = None) -> torch.Tensor:
         """The n most frequent tokens of the training windows (sorted ids); tokens of `prior` (an
@@ -656,26 +656,32 @@ class Trainer:
         feat = F.smooth_l1_loss(out.float() / scale, nxt / scale, reduction="none").mean(-1)
         return mean(div) + self.cfg.feature_weight * mean(feat)
 
+    @torch.no_grad()
+    def _batch_inputs(self, idx: list[int]):
+        """The constants of a batch of windows: (S the longest length, trunk states h [B, S, D],
+        tokens [B, S], lengths [B], first answer token [B], token embeddings [B, S, D], context
+        tokens (`_context_rows`) or None). Shorter windows are padded at the end (state 0, token 0)
+        and their padding is never scored; attention is causal, so a real position never sees it."""
+        lens = [len(self.windows[i]) for i in idx]
+        S = max(lens)
+        h = torch.stack([F.pad(self.hidden.get(i), (0, 0, 0, S - n)) for i, n in zip(idx, lens)]).to(self.device)
+        tok = torch.tensor([self.windows[i] + [0] * (S - n) for i, n in zip(idx, lens)], device=self.device)
+        valid = torch.tensor(lens, device=self.device)
+        first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)
+        embs = torch.stack([self.trunk.embed(t) for t in tok])
+        # a prediction made at trunk position r: the context tokens known there
+        return S, h, tok, valid, first, embs, self._context_rows(idx, S)
+
     def batch_loss(self, idx: list[int]) -> torch.Tensor:
         """Draft position 1: the head reads the trunk's state h_j and token t_{j+1} and is scored
         against the trunk's distribution of t_{j+2} (its logits at j+1). Position s > 1 (depth):
         it reads its own previous output in place of h_{j+s-1}, as in speculative decoding, with
         token t_{j+s}, and is scored against the trunk's distribution of t_{j+s+1}."""
-        lens = [len(self.windows[i]) for i in idx]
-        S = max(lens)
-        with torch.no_grad():  # inputs and teacher: constants of the step
-            # shorter windows are padded at the end (state 0, token 0) and their padding is never
-            # scored; attention is causal, so a real position never sees the padding
-            h = torch.stack([F.pad(self.hidden.get(i), (0, 0, 0, S - n)) for i, n in zip(idx, lens)]).to(self.device)
-            tok = torch.tensor([self.windows[i] + [0] * (S - n) for i, n in zip(idx, lens)], device=self.device)
-            valid = torch.tensor(lens, device=self.device)
+        S, h, tok, valid, first, embs, ctx = self._batch_inputs(idx)
         depth = min(self.cfg.depth, S - 2)
-        ctx = self._context_rows(idx, S)  # a prediction made at trunk position r: candidates known there
         at = (lambda r0: None) if ctx is None else (lambda r0: (ctx[0], ctx[1][:, r0:]))
         with torch.no_grad():  # the teacher, once: position s scores against its rows s..S-1
             teacher = self._logp(h[:, 1:], at(1))
-            embs = torch.stack([self.trunk.embed(t) for t in tok])  # [B, S, D]
-        first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)  # first answer token
         loss, prev, w, past = 0.0, h[:, :-1], 1.0, []
         for s in range(1, depth + 1):
             emb, tgt = embs[:, s:], teacher[:, s - 1:]  # tokens t_{j+s}; the trunk's logits at j+s
@@ -684,7 +690,7 @@ class Trainer:
             # the predicted token's position; the teacher's state for it (tpos - 1) must be a real one
             tpos = torch.arange(S - s, device=self.device)[None, :] + s + 1
             mask = ((tpos >= first[:, None]) & (tpos <= valid[:, None])).float() \
-                if bool(first.any()) or min(lens) < S else None
+                if bool(first.any()) or int(valid.min()) < S else None
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16"):
                 out, kv = self.head(emb, prev[:, :S - s], past)  # [B, S-s, D]
                 loss = loss + w * self._step_loss(out, tgt, nxt, mask, at(s))
@@ -703,19 +709,12 @@ class Trainer:
         estimates the chance that a draft of s tokens is accepted whole: the same quantity on the
         training text and on text the head never saw tells whether more text or a larger head is what
         it lacks."""
-        lens = [len(self.windows[i]) for i in idx]
-        S = max(lens)
-        h = torch.stack([F.pad(self.hidden.get(i), (0, 0, 0, S - n)) for i, n in zip(idx, lens)]).to(self.device)
-        tok = torch.tensor([self.windows[i] + [0] * (S - n) for i, n in zip(idx, lens)], device=self.device)
-        valid = torch.tensor(lens, device=self.device)
-        first = torch.tensor([self.answer_from[i] for i in idx], device=self.device)
-        ctx = self._context_rows(idx, S)
+        S, h, tok, valid, first, embs, ctx = self._batch_inputs(idx)
+        # the token id of each logit: the draft vocabulary, then the batch's context tokens
         V = self.head_w.shape[0]
         ids = self.vocab.to(self.device) if self.vocab is not None else torch.arange(V, device=self.device)
         if ctx is not None:
-            extra = sorted(set().union(*(self.ctx_first[i] for i in idx)))
-            ids = torch.cat([ids, torch.tensor(extra, dtype=torch.long, device=self.device)])
-        embs = torch.stack([self.trunk.embed(t) for t in tok])
+            ids = torch.cat([ids, ctx[2]])
         depth = min(self.cfg.depth, S - 2)
         counts = torch.zeros(max(self.cfg.depth, 1), 3, dtype=torch.long)
         prev, past, chain = h[:, :-1], [], None
