@@ -1,6 +1,6 @@
 """What one speculative step costs against one plain step, in one process.
 
-    python docs/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2]
+    python docs/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2] [--stages] [--no-decode]
 
 Decodes one code prompt plain and with speculation (three rounds, alternating; draft and
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--spec", default="mtp:3")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--stages", action="store_true", help="also time each stage of the C++ blocks")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decoding rounds")
     a = ap.parse_args()
     eng = Engine.load(a.model, n_ctx=1024, threads=a.threads)
     method, k = a.spec.split(":")
@@ -31,7 +33,7 @@ def main():
     ids = eng.encode_prompt("Write a Python function that parses an ISO 8601 date string and returns a datetime, "
                             "with tests.", chat=True)
     p = SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True)
-    for r in range(3):
+    for r in range(0 if a.no_decode else 3):
         t0 = time.perf_counter()
         eng.generate(prompt_ids=ids, params=p)
         t1 = time.perf_counter()
@@ -57,8 +59,24 @@ def main():
                 t0 = time.perf_counter()
                 forward(T, lg)
                 times[name].append((time.perf_counter() - t0) * 1e3)
+        stages = {}
+        stack = getattr(m, "_stack", None)
+        if a.stages and stack is not None and stack is not False:  # the C++ blocks' own timers, per stage, summed over the layers
+            for T in (1, 4):
+                runs = []
+                for _ in range(25):
+                    stack.set_timing(True)
+                    forward(T, False)
+                    runs.append(stack.stage_times())
+                stack.set_timing(False)
+                stages[T] = [statistics.median(r[i] for r in runs) for i in range(len(runs[0]))]
     for name, v in times.items():
         print(f"forward of {name} at 300 positions: median {statistics.median(v):.2f} ms, min {min(v):.2f} ms")
+    names = ("norm + QKV", "attention", "output + residual", "norm + gate/up", "SiLU * up", "down + residual")
+    for i, name in enumerate(names if stages else ()):
+        print(f"  {name:<18} 1 row {stages[1][i]:6.2f} ms   4 rows {stages[4][i]:6.2f} ms (medians of 25)")
+    if stages:
+        print(f"  {'all blocks':<18} 1 row {sum(stages[1]):6.2f} ms   4 rows {sum(stages[4]):6.2f} ms")
 
 
 if __name__ == "__main__":

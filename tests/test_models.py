@@ -327,6 +327,32 @@ def test_decode_stack_equals_the_per_operator_blocks(tiny_models, arch, monkeypa
     assert torch.equal(got, run(plain)) and plain._stack is None
 
 
+def test_decode_stack_stage_timers(tiny_models):
+    """The C++ blocks' per-stage timers (docs/step_cost.py --stages): off by default, summed while
+    on, reset when switched, and they leave the results unchanged."""
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    m = load_model(tiny_models["qwen2"], "fast")
+    toks = torch.arange(1, 12)
+    cache = m.make_cache(64)
+    m(toks[:8], cache)
+    before = m(toks[8:9], cache).clone()
+    stack = m._stack
+    assert stack.stage_times() == [0.0] * 6
+    cache.trim(1)
+    stack.set_timing(True)
+    assert torch.equal(m(toks[8:9], cache), before)
+    one = stack.stage_times()
+    assert len(one) == 6 and all(t >= 0 for t in one) and sum(one) > 0
+    m(toks[9:12], cache)
+    assert all(b >= a for a, b in zip(one, stack.stage_times()))  # summed over calls
+    stack.set_timing(False)
+    assert stack.stage_times() == [0.0] * 6
+    m(toks[:1], m.make_cache(64))
+    assert stack.stage_times() == [0.0] * 6
+
+
 def test_decode_stack_leaves_other_layouts_to_the_modules(tiny_models):
     from mtpllm.models.layers import decode_stack
     from mtpllm.runtime import kernels

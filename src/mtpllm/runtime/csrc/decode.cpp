@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#include <chrono>
 #include <cmath>
 #include <vector>
 #include "common.h"
@@ -80,6 +81,12 @@ struct DecodeStack : torch::CustomClassHolder {
   bool neox;
   double scale, eps, qk_eps;
   std::vector<Layer> layers;
+  // Per-stage wall time of forward, summed over layers and calls while timing is on (off by default:
+  // docs/profile.md). Stages: attention norm + QKV (+ bias), attention, output projection + residual,
+  // FFN norm + gate/up, SiLU * up, FFN down + residual.
+  static constexpr int kStages = 6;
+  bool timing = false;
+  std::vector<double> stage_ms = std::vector<double>(kStages, 0.0);
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -109,22 +116,44 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 
+  void set_timing(bool on) {
+    timing = on;
+    std::fill(stage_ms.begin(), stage_ms.end(), 0.0);
+  }
+  std::vector<double> stage_times() const { return stage_ms; }
+
   at::Tensor forward(at::Tensor x, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin, int64_t start,
                      int64_t first, int64_t count) {
     TORCH_CHECK(first >= 0 && count >= 0 && first + count <= size(), "DecodeStack: layers out of range");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "DecodeStack: x float32 [T, D]");
     TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "DecodeStack: caches [layers, KV, max_len, D]");
     x = x.contiguous();
+    using clock = std::chrono::steady_clock;
+    clock::time_point t0;
+    auto lap = [&](int stage) {
+      if (!timing) return;
+      const clock::time_point t1 = clock::now();
+      if (stage >= 0) stage_ms[stage] += std::chrono::duration<double, std::milli>(t1 - t0).count();
+      t0 = t1;
+    };
+    lap(-1);
     for (int64_t i = first; i < first + count; ++i) {
       const Layer& L = layers[i];
       TORCH_CHECK(L.slot < k.size(0), "DecodeStack: cache has no slot ", L.slot);
       at::Tensor qkv = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.attn_norm, eps), L.qkv_w, L.qkv_t);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
+      lap(0);
       at::Tensor o = mtpllm::attend_rows(qkv, cos, sin, k.select(0, L.slot), v.select(0, L.slot), start, n_heads,
                                          n_kv, head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
+      lap(1);
       x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
+      lap(2);
       at::Tensor gu = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.ffn_norm, eps), L.gu_w, L.gu_t);
-      x.add_(mtpllm::gguf_linear_rows(silu_mul(gu), L.down_w, L.down_t));
+      lap(3);
+      at::Tensor a = silu_mul(gu);
+      lap(4);
+      x.add_(mtpllm::gguf_linear_rows(a, L.down_w, L.down_t));
+      lap(5);
     }
     return x;
   }
@@ -138,7 +167,9 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("size", &DecodeStack::size)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("set_timing", &DecodeStack::set_timing)
+      .def("stage_times", &DecodeStack::stage_times);
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) { m.impl("silu_mul", &silu_mul); }
