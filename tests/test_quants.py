@@ -327,8 +327,10 @@ def test_gguf_kernel_matches_reference(qtype, m):
 def test_gguf_kernel_rows_are_independent_of_batch_and_threads():
     """Each output row depends only on its own input row (bit for bit), whatever the batch size or
     the thread count: speculative verification equals one-token decoding."""
-    n, k = 304, 1024
-    for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, kernels.Q4_KX8, kernels.Q6_KX8):
+    cases = [(qtype, 304, 1024) for qtype in (QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q6_K, kernels.Q4_KX8, kernels.Q6_KX8)]
+    # K > 2048: Q4_Kx8 verification rows take row groups in pairs (37 groups: one left unpaired per thread)
+    cases += [(kernels.Q4_KX8, 296, 2560), (kernels.Q6_KX8, 296, 2560)]
+    for qtype, n, k in cases:
         w = _blocks(_raw(qtype, n, k, 3)) if qtype not in kernels.KX8_TYPES else _x8(n, k, 3, qtype)
         x = torch.randn(7, k)
         full = kernels.gguf_linear(x, [w], [int(qtype)])
@@ -426,13 +428,15 @@ def test_kquant_repacked_by_8_rows_is_exact(qtype, nbytes):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 40])
-def test_repacked_kquant_kernel_matches_reference(qtype, m):
+@pytest.mark.parametrize("m,k", [(1, 1280), (2, 1280), (3, 1280), (4, 1280), (5, 1280), (9, 1280), (40, 1280),
+                                 (2, 2560), (3, 2560), (4, 2560), (6, 2560)])
+def test_repacked_kquant_kernel_matches_reference(qtype, m, k):
     """The 8-row kernels compute the K-quant formula (x quantized per 256, integer sums per
     super-block) to float32 accumulation error, and the exact product within the
     activation-rounding bound, for every tile of x rows (4 per tile with VNNI, 2 with AVX2, and
-    the remainders); they match the one-row kernels of the file's blocks to rounding."""
-    n, k = 48, 1280
+    the remainders, and pairs of row groups past K = 2048); they match the one-row kernels of the
+    file's blocks to rounding."""
+    n = 48
     raw = _raw(qtype, n, k, 8)
     w = dequantize(raw, qtype, (n, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
