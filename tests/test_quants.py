@@ -597,6 +597,9 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
         for qtype in (QT.Q6_K, QT.Q4_0, QT.Q5_0, QT.Q8_0):
             data.append((x, kernels.gguf_repack(_blocks(_raw(qtype, 40, 1024, 31)), int(qtype), 1024),
                          kernels.X8_OF[int(qtype)], "gguf_linear"))
+        if m <= 4:  # K > 2048: with VNNI, row groups in pairs (5 groups: one unpaired)
+            x = torch.randn(m, 2560, generator=torch.Generator().manual_seed(200 + m))
+            data.append((x, _x8(40, 2560, 32), kernels.Q4_KX8, "gguf_linear"))
     torch.save(data, tmp_path / "in.pt")
     env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
