@@ -566,7 +566,8 @@ import sys, numpy as np, torch
 from mtpllm.runtime import kernels
 assert kernels.available(), kernels.status()
 data = torch.load(sys.argv[1])
-torch.save([getattr(kernels, op)(x, [w], [t]) for x, w, t, op in data], sys.argv[2])
+torch.save([kernels.attend_cached(*x) if op == "attend_cached" else getattr(kernels, op)(x, [w], [t])
+            for x, w, t, op in data], sys.argv[2])
 print(kernels.status())
 """
 
@@ -577,7 +578,7 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
     """The AVX-512 VNNI build computes exactly the integers of the AVX2 build (vpdpbusd / vpdpwssd
     for vpmaddubsw + vpmaddwd + add, no saturation reachable): the same outputs bit for bit, for
     every type, decoding, verification and prompt-chunk row counts, with an outlier in x (the
-    extremes of the int8 codes)."""
+    extremes of the int8 codes); and decode attention, whose P.V uses 512-bit registers there."""
     import subprocess
     import sys
     data = []
@@ -600,6 +601,15 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
         if m <= 4:  # K > 2048: with VNNI, row groups in pairs (5 groups: one unpaired)
             x = torch.randn(m, 2560, generator=torch.Generator().manual_seed(200 + m))
             data.append((x, _x8(40, 2560, 32), kernels.Q4_KX8, "gguf_linear"))
+    # decode attention (P.V runs on 512-bit registers in the VNNI build): 1 and 4 rows, head sizes
+    # 128 and 192 (a 64-dim tail), 300 positions in the cache
+    g = torch.Generator().manual_seed(7)
+    for (H, KV, D), T in [((12, 2, 128), 1), ((12, 2, 128), 4), ((4, 2, 192), 4)]:
+        ang = torch.randn(310, D // 2, generator=g)
+        args = (torch.randn(T, (H + 2 * KV) * D, generator=g), ang.cos().contiguous(), ang.sin().contiguous(),
+                torch.randn(KV, 310, D, generator=g), torch.randn(KV, 310, D, generator=g), 300, H, KV, D, D, True,
+                D ** -0.5, None, None, 1e-6)
+        data.append((args, None, None, "attend_cached"))
     torch.save(data, tmp_path / "in.pt")
     env = dict(os.environ, MTPLLM_KERNELS_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
@@ -608,4 +618,7 @@ def test_avx512_vnni_build_is_bit_identical_to_avx2(tmp_path):
     assert "built (avx2)" in r.stdout
     assert kernels.status() == "built (avx512vnni)"
     for (x, w, t, op), y2 in zip(data, torch.load(tmp_path / "out.pt")):
+        if op == "attend_cached":
+            assert torch.equal(kernels.attend_cached(*x), y2), (x[0].shape, op)
+            continue
         assert torch.equal(getattr(kernels, op)(x, [w], [t]), y2), (t, x.shape, op)
