@@ -57,11 +57,10 @@ def test_shipped_head_acceptance_on_held_out_humaneval(engine):
     assert stats.mean_acceptance_length > SHIPPED_MIN_MEAN_ACCEPTANCE
 
 
-# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.63 when trained and
-# written as Q5_0 (792 of 1455 drafted tokens over 485 drafts, with the request's own tokens as draft
-# candidates; the same bits on every run here, like the 0.5B's). The head before it: 2.49; the bar
-# keeps the margin over it.
-SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.55
+# The 1.5B head (k = 3, greedy, 10 HumanEval prompts, 128 new tokens): measured 2.66 when trained and
+# written as Q5_0 (795 of 1440 drafted tokens over 480 drafts, with the request's own tokens as draft
+# candidates; the same bits on every run here, like the 0.5B's). The heads before it: 2.63, 2.49.
+SHIPPED_MIN_MEAN_ACCEPTANCE_1_5B = 2.6
 
 
 def test_1_5b_head_is_found_fits_and_accepts():
