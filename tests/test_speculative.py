@@ -456,3 +456,20 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     sampled = dict(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
     out = target.generate(PROMPT, SamplingParams(**sampled), chat=False, speculative=spec)
     assert len(out.tokens) == 30 and out.stats.num_drafts > 0
+
+
+def test_responses_mark_accepted_draft_tokens(target, draft_path):
+    """Each streamed token says whether it was an accepted draft: their count is the statistics'
+    accepted count (a draft model identical to the target has most drafts accepted), and plain
+    decoding marks none."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = target.encode_prompt(PROMPT, chat=False)
+    for drafter, same in ((str(target.model.source), True), (draft_path, False)):
+        spec = SpecConfig("draft_model", num_speculative_tokens=3, draft_model=drafter).build(target)
+        rs = list(target.stream(ids, params, spec))
+        marked = sum(r.draft for r in rs)
+        assert marked == rs[-1].stats.num_accepted_tokens
+        if same:
+            assert marked > rs[-1].stats.num_draft_tokens // 2
+    target.reset()
+    assert not any(r.draft for r in target.stream(ids, params))

@@ -59,6 +59,7 @@ class Response:
     finish_reason: str | None = None  # None while running; "stop" | "length" | "context"
     timings: Timings | None = None
     stats: object | None = None  # speculative statistics (SpecStats) when speculation is on
+    draft: bool = False  # the token is an accepted draft token (else the target model produced it)
 
 
 @dataclass
@@ -247,7 +248,8 @@ class Engine:
                 except StopIteration:
                     finish = "context"  # the context is full
                     break
-                for t in block:
+                n_draft = getattr(block, "accepted", 0)  # a verified block starts with its accepted drafts
+                for i, t in enumerate(block):
                     if t in eos:
                         finish = "stop"
                         break
@@ -267,7 +269,7 @@ class Engine:
                     emitted = max(emitted, end)
                     timings.predicted_n = len(generated)
                     timings.predicted_ms = (time.perf_counter() - t1) * 1e3
-                    yield Response(t, piece, finish, timings, stats)
+                    yield Response(t, piece, finish, timings, stats, i < n_draft)
                     if finish is not None:
                         return
         finally:

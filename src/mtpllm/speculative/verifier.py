@@ -178,6 +178,14 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
     return len(drafts), sampler.sample_from(sampler.probs(logits[len(drafts)], hist))
 
 
+class VerifiedBlock(list):
+    """The tokens one verification step emits: its `accepted` draft tokens, then the target's own."""
+
+    def __init__(self, tokens: list[int], accepted: int):
+        super().__init__(tokens)
+        self.accepted = accepted
+
+
 class SpeculativeDecoder:
     """Step generator for speculative decoding with any proposer (see module docstring)."""
 
@@ -229,4 +237,4 @@ class SpeculativeDecoder:
                 elif n == 0:
                     k = max(k - 1, cfg.min_speculative_tokens)
             x0 = y
-            yield new
+            yield VerifiedBlock(new, n)
