@@ -172,6 +172,9 @@ class Engine:
         common = min(common, len(prompt) - 1, cache.length)  # at least one token must be evaluated
         if max_reuse is not None:
             common = min(common, max_reuse)
+        if cache.length - common > cache.max_trim():  # e.g. recurrent state: no way back that far
+            common = 0
+            cache.reset()
         cache.trim(cache.length - common)
         self._cached_tokens = list(prompt[:common])
         self.last_cached_n = common

@@ -1,4 +1,4 @@
-"""Static, preallocated KV cache for one sequence, with `trim(n)` for speculative rollback."""
+"""Static, preallocated KV cache for one sequence: a `runtime.cache.Cache` (trim, snapshot/restore)."""
 from __future__ import annotations
 
 import torch
@@ -87,14 +87,38 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def max_trim(self) -> int:
+        """How many positions `trim` can drop: all of them, except that a ring keeps only
+        SWA_SLACK - 1 positions of slack once it has wrapped (older entries were overwritten)."""
+        wrapped = [R for R in self.ring if R and self.length > R]
+        return min(self.length, SWA_SLACK - 1) if wrapped else self.length
+
     def trim(self, n: int) -> int:
         """Drop the last n positions; returns the number actually dropped."""
         n = max(0, min(n, self.length))
+        if n > self.max_trim():
+            raise MtpllmError(f"KV cache: cannot drop {n} positions of a sliding-window ring "
+                              f"(at most {self.max_trim()}): entries before them were overwritten")
         self.length -= n
         return n
 
     def reset(self) -> None:
         self.length = 0
+
+    def snapshot(self) -> tuple:
+        """A copy of the committed entries (full layers up to `length`, rings whole)."""
+        n = self.length
+        return (n, self.k[:, :, :n].clone(), self.v[:, :, :n].clone(), self.rk.clone(), self.rv.clone())
+
+    def restore(self, snap: tuple) -> None:
+        n, k, v, rk, rv = snap
+        if n > self.max_len:
+            raise MtpllmError(f"KV cache: a snapshot of {n} positions does not fit {self.max_len}")
+        self.k[:, :, :n] = k
+        self.v[:, :, :n] = v
+        self.rk.copy_(rk)
+        self.rv.copy_(rv)
+        self.length = n
 
     def nbytes(self) -> int:
         return (self.k.numel() * self.k.element_size() + self.rk.numel() * self.rk.element_size()) * 2
