@@ -308,8 +308,9 @@ def test_cumulative_p_min_cuts_on_the_product_of_draft_probabilities(target):
 
     def drafts(p_min=0.0, p_cum=0.0):
         cache = target.model.make_cache(64)
-        prop.begin(target, ids[:-1], target.model(torch.tensor(ids[:-1]), cache), 0)
-        return prop.propose(list(ids), 4, Sampler(SamplingParams(temperature=0)), p_min, p_cum)[0]
+        st = prop.new_state()
+        prop.begin(st, ids[:-1], target.model(torch.tensor(ids[:-1]), cache), 0)
+        return prop.propose(st, list(ids), 4, Sampler(SamplingParams(temperature=0)), p_min, p_cum)[0]
 
     full = drafts()
     assert len(full) == 4
@@ -420,8 +421,9 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     sampler = make_sampler(SamplingParams(temperature=0), "cpu")
 
     def first_draft(p, history):  # the prompt through the head, then the draft after its first token
-        p.begin(target, ids, hidden, 0)
-        return p.propose(history, 1, sampler)[0]
+        p.st = p.new_state()
+        p.begin(p.st, ids, hidden, 0)
+        return p.propose(p.st, history, 1, sampler)[0]
 
     # history: the prompt and one generated token x0, chosen so that the head's unrestricted draft
     # after it is a token of the history
@@ -434,25 +436,27 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     assert free in history
     reduced = proposer(set(range(V_)) - {free})
     [d] = first_draft(reduced, history)
-    assert d == free and reduced.ctx_tokens == [free]
+    assert d == free and reduced.st.ctx_tokens == [free]
     reduced.context_vocab = False
     [d_off] = first_draft(reduced, history)
     assert d_off != free
     # logits of the context rows are the lm_head's at those tokens
     g = torch.randn(1, target.model.cfg.d_model)
     p = proposer(set(range(V_ // 2)))
-    p._update_context(list(range(V_ // 2 - 3, V_ // 2 + 5)))
-    assert p.ctx_tokens == list(range(V_ // 2, V_ // 2 + 5))
+    st = p.new_state()
+    p.update_context(st, list(range(V_ // 2 - 3, V_ // 2 + 5)))
+    assert st.ctx_tokens == list(range(V_ // 2, V_ // 2 + 5))
     full = target.model.lm_head(g)[0]
-    both = torch.cat([p.lm_head(g)[0], p.ctx_head(g)[0]])
-    assert torch.allclose(both, full[p.draft_ids], rtol=1e-5, atol=1e-5)
+    both = torch.cat([p.lm_head(g)[0], st.ctx_head(g)[0]])
+    assert torch.allclose(both, full[st.draft_ids], rtol=1e-5, atol=1e-5)
     # lossless, through the head file's own reduced vocabulary (half the tokens)
     half = make_tiny_head(tiny_dir / "mtp-half.gguf", "qwen2", n_layers=2, seed=9, draft_vocab=range(0, V_, 2))
     ref = _plain(target, GREEDY)
     spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half)).build(target)
     out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     assert out.tokens == ref.tokens and out.stats.num_drafts > 0
-    assert spec.proposer.ctx_tokens and all(t % 2 for t in spec.proposer.ctx_tokens)
+    ctx = target.slot.draft_state(spec.proposer).ctx_tokens
+    assert ctx and all(t % 2 for t in ctx)
     sampled = dict(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
     out = target.generate(PROMPT, SamplingParams(**sampled), chat=False, speculative=spec)
     assert len(out.tokens) == 30 and out.stats.num_drafts > 0
@@ -473,3 +477,36 @@ def test_responses_mark_accepted_draft_tokens(target, draft_path):
             assert marked > rs[-1].stats.num_draft_tokens // 2
     target.reset()
     assert not any(r.draft for r in target.stream(ids, params))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+def test_logprobs_are_the_targets_with_and_without_speculation(target, draft_path, method):
+    """Log-probabilities come from the target's own rows: identical (bit for bit) with and without
+    speculation, the emitted token's one is among the top alternatives in greedy decoding, and they
+    equal the log-softmax of a plain forward over prompt + output."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    ids = target.encode_prompt(PROMPT, chat=False)
+    target.reset()
+    plain = [r for r in target.stream(ids, params) if r.token is not None]
+    spec = SpecConfig(method, 3, draft_model=draft_path if method == "draft_model" else None).build(target)
+    fast = [r for r in target.stream(ids, params, spec) if r.token is not None]
+    assert [(r.token, r.logprob, r.top_logprobs) for r in fast] == [(r.token, r.logprob, r.top_logprobs) for r in plain]
+    assert any(r.draft for r in fast) or fast[-1].stats.num_accepted_tokens == 0
+    for r in plain:
+        assert r.top_logprobs[0][0] == r.token and r.top_logprobs[0][1] == r.logprob
+        assert len(r.top_logprobs) == 3 and r.logprob <= 0
+    toks = ids + [r.token for r in plain]
+    m = target.model
+    cache = m.make_cache(len(toks))
+    hid = torch.cat([m(torch.tensor([t]), cache) for t in toks[:-1]])  # one-token decoding, as generation
+    ref = torch.log_softmax(m.logits(hid), -1)
+    got = torch.tensor([r.logprob for r in plain])
+    want = ref[len(ids) - 1:, :].gather(1, torch.tensor(toks[len(ids):])[:, None])[:, 0]
+    # int8 activation rounding differs in the last bits between paths; a shifted row (an
+    # off-by-one) would differ by far more than this
+    assert torch.allclose(got, want, atol=0.05)
+    assert not torch.allclose(got[1:], want[:-1], atol=0.05)
+    target.reset()
+    assert all(r.logprob is None for r in target.stream(ids, SamplingParams(temperature=0, max_tokens=4)))
+    with pytest.raises(MtpllmError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -112,8 +112,9 @@ def test_roundtrip_gives_identical_drafts(setup):
     vocab = set(g.get("mtpllm.draft_vocab"))
     drafts = []
     p = spec.proposer
-    p.begin(eng, ids[:20], eng.model(torch.tensor(ids[:20]), eng.model.make_cache(64)), 0)
-    d, _ = p.propose(list(ids[:21]), 3, spec_sampler(), 0.0)
+    st = p.new_state()
+    p.begin(st, ids[:20], eng.model(torch.tensor(ids[:20]), eng.model.make_cache(64)), 0)
+    d, _ = p.propose(st, list(ids[:21]), 3, spec_sampler(), 0.0)
     drafts += d
     assert set(drafts) <= vocab  # drafts never leave the draft vocabulary
     with torch.no_grad():  # the in-memory head's first draft equals the file's

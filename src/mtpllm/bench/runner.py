@@ -184,9 +184,7 @@ class RowRun:
         dep = depth_ids(engine, self.depth, self.seed + rep)
         _reset_peak_rss()
         for req in reqs:
-            engine.reset()
-            if spec is not None and hasattr(spec.proposer, "reset"):
-                spec.proposer.reset()
+            engine.reset()  # the target's cache and every proposer's draft state on the engine's slot
             params = SamplingParams(temperature=self.temp, top_k=0, top_p=1.0, min_p=0.0, max_tokens=self.n_gen,
                                     seed=self.seed + rep, ignore_eos=self.prompt_set == "synthetic")
             if dep:  # the context the measured prompt is appended to, evaluated untimed (the engine and

@@ -20,7 +20,7 @@ from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
 from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
-from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
+from ..runtime.linear import GEMM_MIN_ROWS, NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, cached_stack, native_rows, rope_inv_freq, run_stack
 
@@ -116,6 +116,32 @@ class Transformer(nn.Module):
             x = blk(x, positions, cache, i)
         cache.advance(T)
         return self.norm(x)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: list[torch.Tensor], caches: list) -> list[torch.Tensor]:
+        """Several sequences' rows in one forward (continuous batching): tokens[s] [T_s] at positions
+        [caches[s].length, +T_s) of caches[s] -> their final-normed hidden states [T_s, D]; commits
+        T_s positions in each cache. Where every cache and block is covered by the C++ decode path,
+        the matrix products run once over all rows and attention per sequence (each row's result
+        is bit for bit what it gets alone); otherwise the sequences run one after another."""
+        if len(tokens) != len(caches) or not caches:
+            raise MtpllmError(f"forward_batch: {len(tokens)} token lists for {len(caches)} caches")
+        rows = [int(t.shape[0]) for t in tokens]
+        for c, T in zip(caches, rows):
+            if T <= 0 or c.length + T > c.max_len:
+                raise MtpllmError(f"context overflow: {c.length} + {T} tokens exceed the context size {c.max_len}")
+        x = self.embed(torch.cat(tokens)) if len(caches) > 1 else None
+        stack = None
+        if x is not None and max(rows) < GEMM_MIN_ROWS and all(native_rows(x[:1], c) for c in caches):
+            stack = cached_stack(self, "_stack", list(self.blocks))
+        if stack is None:
+            return [self(t, c) for t, c in zip(tokens, caches)]
+        cos, sin = self.blocks[0].attn.rotary.tables(max(c.length + T for c, T in zip(caches, rows)), x.device)
+        x = stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], [c.length for c in caches], rows,
+                                cos, sin, 0, len(self.blocks))
+        for c, T in zip(caches, rows):
+            c.advance(T)
+        return list(self.norm(x).split(rows))
 
     @torch.inference_mode()
     def decode_batch(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:

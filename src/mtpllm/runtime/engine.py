@@ -1,12 +1,16 @@
 """The engine: one loaded model + tokenizer, and generation in layers.
 
-  step generator  (`_steps`: yields lists of new token ids; plain decoding yields one per step,
+  step generator  (`_steps`: a `Sequence`'s decoder plans rows, the model runs them, the decoder
+                   commits: lists of new token ids; plain decoding yields one per step,
                    speculative decoding yields each verified block)
   -> stream       (`Engine.stream`: EOS / stop strings / max tokens / detokenization / timings,
                    yields `Response` objects)
   -> generate     (`Engine.generate`: collects a stream into a `Completion`)
 
-CLI, server and benchmark all consume `stream`; none re-implements decoding.
+CLI, server and benchmark all consume `stream` (or the `Scheduler`, which runs many sequences
+through the same decoders with one forward per step); none re-implements decoding. All request
+state lives in the `Sequence` (runtime/sequence.py); the engine holds the weights, the tokenizer
+and one `Slot` (cache + draft states) for single-stream use.
 """
 from __future__ import annotations
 
@@ -22,44 +26,12 @@ from ..gguf.reader import GGUFFile
 from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
-from .sampling import SamplingParams, Sampler, make_sampler
+from .sampling import SamplingParams, make_sampler
+from .sequence import OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, first_stop
+
+__all__ = ["Engine", "Completion", "Response", "Timings", "resolve_device", "check_kv_memory"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the [T, L] attention mask and activations
-
-
-@dataclass
-class Timings:
-    load_ms: float = 0.0
-    prompt_n: int = 0  # prompt tokens actually evaluated (after prefix-cache reuse)
-    prompt_ms: float = 0.0
-    predicted_n: int = 0
-    predicted_ms: float = 0.0
-    cached_n: int = 0  # prompt tokens reused from the cache
-
-    @property
-    def prompt_per_second(self) -> float:
-        return self.prompt_n / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
-
-    @property
-    def predicted_per_second(self) -> float:
-        return self.predicted_n / (self.predicted_ms / 1e3) if self.predicted_ms > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"prompt_n": self.prompt_n, "prompt_ms": self.prompt_ms,
-                "prompt_per_second": self.prompt_per_second, "predicted_n": self.predicted_n,
-                "predicted_ms": self.predicted_ms, "predicted_per_second": self.predicted_per_second,
-                "cache_n": self.cached_n}
-
-
-@dataclass
-class Response:
-    """One emitted token (text may be '' while bytes of a character or a possible stop string are held)."""
-    token: int | None
-    text: str
-    finish_reason: str | None = None  # None while running; "stop" | "length" | "context"
-    timings: Timings | None = None
-    stats: object | None = None  # speculative statistics (SpecStats) when speculation is on
-    draft: bool = False  # the token is an accepted draft token (else the target model produced it)
 
 
 @dataclass
@@ -101,8 +73,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.load_ms = load_ms
         self.device = device
-        self.cache = model.make_cache(n_ctx, device)
-        self._cached_tokens: list[int] = []  # tokens whose K/V are in `cache`, in order
+        self.slot = self.new_slot()  # the single-stream lane (`stream`): cache and draft states
         if model.cfg.vocab_size < tokenizer.vocab_size:
             raise MtpllmError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{model.cfg.vocab_size} embeddings")
@@ -132,10 +103,18 @@ class Engine:
             model.to(device)
         return cls(model, tok, n_ctx, (time.perf_counter() - t0) * 1e3, device)
 
+    def new_slot(self, index: int = 0) -> Slot:
+        """A lane of its own: a cache of n_ctx positions (and draft states made on first use)."""
+        return Slot(self.model.make_cache(self.n_ctx, self.device), index)
+
+    @property
+    def cache(self):
+        """The single-stream slot's cache."""
+        return self.slot.cache
+
     def reset(self) -> None:
-        """Forget the cached prompt prefix: the next request evaluates its whole prompt."""
-        self.cache.reset()
-        self._cached_tokens = []
+        """Forget the cached prompt prefix (and the proposers'): the next request evaluates its whole prompt."""
+        self.slot.reset()
 
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -157,30 +136,26 @@ class Engine:
         return t.tokens[t.bos_id] if t.bos_id is not None and t.add_bos else "\0"
 
     # ------------------------------------------------------------------ layer 1: step generator
-    def _prefill(self, prompt: list[int], max_reuse: int | None = None) -> torch.Tensor:
-        """Evaluate the prompt (reusing at most `max_reuse` tokens of a cached common prefix).
-
-        Returns the last position's hidden state [1, D]; `last_prompt_hidden` holds the hidden
-        states of every evaluated position and `last_cached_n` how many were reused.
-        """
-        cache = self.cache
-        common = 0
-        for a, b in zip(self._cached_tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1, cache.length)  # at least one token must be evaluated
+    def prefill(self, seq: Sequence, max_reuse: int | None = None) -> torch.Tensor:
+        """Evaluate the sequence's prompt on its slot, reusing at most `max_reuse` tokens of the
+        common prefix with what the slot's cache holds. Returns the last position's hidden state
+        [1, D]; `seq.prompt_hidden` gets the states of every evaluated position, `seq.cached_n`
+        how many were reused."""
+        slot, prompt = seq.slot, seq.prompt
+        cache = slot.cache
+        # at least one token must be evaluated
+        common = min(common_prefix(slot.tokens, prompt), len(prompt) - 1, cache.length)
         if max_reuse is not None:
             common = min(common, max_reuse)
         if cache.length - common > cache.max_trim():  # e.g. recurrent state: no way back that far
             common = 0
             cache.reset()
         cache.trim(cache.length - common)
-        self._cached_tokens = list(prompt[:common])
-        self.last_cached_n = common
+        slot.tokens = list(prompt[:common])
+        seq.cached_n = common
         hidden = self._evaluate(prompt[common:], cache)
-        self._cached_tokens = list(prompt)
-        self.last_prompt_hidden = hidden
+        slot.tokens = list(prompt)
+        seq.prompt_hidden = hidden
         return hidden[-1:]
 
     def _evaluate(self, tokens: list[int], cache) -> torch.Tensor:
@@ -193,20 +168,24 @@ class Engine:
         parts.append(self.model(todo[-1:], cache))
         return torch.cat(parts)
 
-    def _plain_steps(self, prompt: list[int], sampler: Sampler) -> Iterator[list[int]]:
-        """Plain decoding: one token per step. The caller stops the generator when it is done."""
-        model, cache = self.model, self.cache
-        history = list(prompt)
-        hidden = self._prefill(prompt)
-        yield []  # prefill done (lets the caller time it)
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams | None = None, speculative=None,
+                     slot: Slot | None = None) -> Sequence:
+        """A generation of `prompt_ids` on `slot` (default: the engine's own), plain or speculative."""
+        params = params or SamplingParams()
+        self._check_prompt(prompt_ids)
+        return Sequence(prompt_ids, params, slot or self.slot, speculative or PlainDecoder(), self.device)
+
+    def _steps(self, seq: Sequence):
+        """Layer 1: blocks of new tokens; the first is the token sampled from the prompt."""
+        dec = seq.decoder
+        yield dec.start(self, seq)
         while True:
-            tok = sampler.sample(model.logits(hidden)[0], history)
-            history.append(tok)
-            yield [tok]
-            if cache.length + 2 > cache.max_len:  # feeding tok and sampling one more would pass n_ctx
-                return
-            hidden = model(torch.tensor([tok], device=self.device), cache)
-            self._cached_tokens.append(tok)
+            rows = dec.plan(seq)
+            if rows is None:
+                return  # the context is full
+            t0 = time.perf_counter()
+            hidden = self.model(torch.tensor(rows, dtype=torch.long, device=self.device), seq.slot.cache)
+            yield dec.commit(self, seq, hidden, (time.perf_counter() - t0) * 1e3)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -218,69 +197,38 @@ class Engine:
 
     # ------------------------------------------------------------------ layer 2: stream
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None,
-               speculative=None) -> Iterator[Response]:
+               speculative=None, slot: Slot | None = None) -> Iterator[Response]:
         """Generate from token ids; yields one Response per emitted token, the last one with a finish_reason."""
-        params = params or SamplingParams()
-        self._check_prompt(prompt_ids)
-        sampler = make_sampler(params, self.device)
+        seq = self.new_sequence(prompt_ids, params, speculative, slot)
         timings = Timings(load_ms=self.load_ms)
-        tok = self.tokenizer
-        eos = set() if params.ignore_eos else tok.eos_ids
-        stops = params.stop
-        hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
-
-        if speculative is not None:
-            steps = speculative.steps(self, prompt_ids, sampler)
-        else:
-            steps = self._plain_steps(prompt_ids, sampler)
+        out = OutputText(self.tokenizer, seq.params)
+        steps = self._steps(seq)
         t0 = time.perf_counter()
-        next(steps)  # prefill
-        stats = getattr(speculative, "stats", None)  # fresh per generation, set up by `steps`
+        block = next(steps)  # prefill, and the first token
         t1 = time.perf_counter()
         timings.prompt_ms = (t1 - t0) * 1e3
-        timings.cached_n = self.last_cached_n
+        timings.cached_n = seq.cached_n
         timings.prompt_n = len(prompt_ids) - timings.cached_n
-        generated: list[int] = []
-        text = ""
-        emitted = 0  # characters of the decoded output already yielded
-        finish = "length" if params.max_tokens == 0 else None
+        stats = seq.stats
         try:
-            while finish is None:
+            while out.finish is None:
+                for t, piece, finish, i in out.add(block):
+                    timings.predicted_n = len(out.generated)
+                    timings.predicted_ms = (time.perf_counter() - t1) * 1e3
+                    yield out.response(block, i, t, piece, finish, timings, stats)
+                    if finish is not None:
+                        return
+                if out.finish is not None:
+                    break  # EOS: the text held back is flushed below
                 try:
                     block = next(steps)
                 except StopIteration:
-                    finish = "context"  # the context is full
-                    break
-                n_draft = getattr(block, "accepted", 0)  # a verified block starts with its accepted drafts
-                for i, t in enumerate(block):
-                    if t in eos:
-                        finish = "stop"
-                        break
-                    generated.append(t)
-                    text = tok.decode(generated, skip_special=True)
-                    end = len(text)
-                    cut = first_stop(text, stops, max(0, emitted - hold))
-                    if cut is not None:
-                        end, finish = cut, "stop"
-                    if finish is None and len(generated) >= params.max_tokens:
-                        finish = "length"
-                    if finish is None:
-                        end -= hold  # might be the start of a stop string
-                        if text.endswith("\ufffd"):  # incomplete UTF-8 character: wait for its other bytes
-                            end = min(end, len(text.rstrip("\ufffd")))
-                    piece = text[emitted:end] if end > emitted else ""
-                    emitted = max(emitted, end)
-                    timings.predicted_n = len(generated)
-                    timings.predicted_ms = (time.perf_counter() - t1) * 1e3
-                    yield Response(t, piece, finish, timings, stats, i < n_draft)
-                    if finish is not None:
-                        return
+                    out.finish = "context"  # the context is full
         finally:
             steps.close()
-        # EOS or a full context: flush text held back for stop-string matching
-        timings.predicted_n = len(generated)
+        timings.predicted_n = len(out.generated)
         timings.predicted_ms = (time.perf_counter() - t1) * 1e3
-        yield Response(None, text[emitted:], finish, timings, stats)
+        yield Response(None, out.flush(), out.finish, timings, stats)
 
     # ------------------------------------------------------------------ layer 3: generate
     def generate(self, prompt: str | None = None, params: SamplingParams | None = None, messages=None,
@@ -380,12 +328,6 @@ class Engine:
             done.append(Completion(text, out[b], finish[b], tm, len(prompts[b]),
                                    hidden=torch.cat(states[b]) if keep_hidden else None))
         return done
-
-
-def first_stop(text: str, stops: list[str], start: int = 0) -> int | None:
-    """Where the earliest stop string begins in text[start:] (as an index into text), or None."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else None
 
 
 def check_kv_memory(cfg, n_ctx: int) -> int:

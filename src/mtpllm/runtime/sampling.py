@@ -27,6 +27,12 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # log-probabilities of each emitted token and of the `logprobs` most likely alternatives, from the
+    # target model's own distribution (log-softmax of its logits, before the sampling transforms);
+    # None = not computed
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
     def __post_init__(self):
         def bad(msg):
@@ -48,6 +54,9 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             bad("stop must be a list of strings")
         self.stop = [s for s in self.stop if s]
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

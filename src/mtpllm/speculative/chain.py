@@ -12,33 +12,43 @@ head's cache of trunk hidden states) stay in step with the trunk.
 from __future__ import annotations
 
 
+class ChainState:
+    """The members' states of one sequence, and which member drafted its last step."""
+
+    def __init__(self, states: list):
+        self.states = states
+        self.last: str | None = None
+
+    def reset(self) -> None:
+        for st in self.states:
+            if hasattr(st, "reset"):
+                st.reset()
+
+
 class ChainProposer:
     def __init__(self, proposers: list, ks: list[int], names: list[str]):
         assert len(proposers) == len(ks) == len(names) >= 2
         self.proposers, self.ks, self.names = proposers, ks, names
-        self.last: str | None = None  # the member that drafted this step (for the statistics)
 
-    def reusable_prefix(self, prompt: list[int]) -> int:
-        return min(p.reusable_prefix(prompt) for p in self.proposers)
+    def new_state(self) -> ChainState:
+        return ChainState([p.new_state() for p in self.proposers])
 
-    def reset(self) -> None:
-        for p in self.proposers:
-            if hasattr(p, "reset"):
-                p.reset()
+    def reusable_prefix(self, st: ChainState, prompt: list[int]) -> int:
+        return min(p.reusable_prefix(s, prompt) for p, s in zip(self.proposers, st.states))
 
-    def begin(self, engine, prompt, prompt_hidden, start) -> None:
-        for p in self.proposers:
-            p.begin(engine, prompt, prompt_hidden, start)
+    def begin(self, st: ChainState, prompt, prompt_hidden, start) -> None:
+        for p, s in zip(self.proposers, st.states):
+            p.begin(s, prompt, prompt_hidden, start)
 
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
-        for i, (p, kp) in enumerate(zip(self.proposers, self.ks)):
-            drafts, qs = p.propose(history, min(k, kp), sampler, p_min, p_cum)
+    def propose(self, st: ChainState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+        for i, (p, s, kp) in enumerate(zip(self.proposers, st.states, self.ks)):
+            drafts, qs = p.propose(s, history, min(k, kp), sampler, p_min, p_cum)
             if drafts:
-                self.last = self.names[i]
+                st.last = self.names[i]
                 return drafts, qs
-        self.last = None
+        st.last = None
         return [], []
 
-    def accept(self, history, n_accepted, target_hidden) -> None:
-        for p in self.proposers:
-            p.accept(history, n_accepted, target_hidden)
+    def accept(self, st: ChainState, history, n_accepted, target_hidden) -> None:
+        for p, s in zip(self.proposers, st.states):
+            p.accept(s, history, n_accepted, target_hidden)

@@ -8,7 +8,8 @@ from ..gguf.reader import GGUFFile
 from ..models.base import load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
-from .verifier import draft_token
+from ..runtime.engine import PREFILL_CHUNK
+from .verifier import common_prefix, draft_token, stop_drafting
 
 
 def check_vocab_compatible(target_tok: GGUFTokenizer, draft_tok: GGUFTokenizer, name: str) -> None:
@@ -21,12 +22,28 @@ def check_vocab_compatible(target_tok: GGUFTokenizer, draft_tok: GGUFTokenizer, 
                               f"({b!r} vs {a!r}); a draft model must share the target's tokenizer")
 
 
+class DraftState:
+    """One sequence's draft-model cache and the tokens whose K/V it holds."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.committed: list[int] = []
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.committed = []
+
+
 class DraftModelProposer:
+    """The draft model's weights are shared by every sequence; each has a `DraftState` (`new_state`)."""
+
     def __init__(self, model, n_ctx: int, device="cpu"):
         self.model = model
-        self.cache = model.make_cache(n_ctx, device)
+        self.n_ctx = n_ctx
         self.device = device
-        self.committed: list[int] = []  # tokens whose K/V are in the draft cache
+
+    def new_state(self) -> DraftState:
+        return DraftState(self.model.make_cache(self.n_ctx, self.device))
 
     @classmethod
     def load(cls, name_or_path: str, engine) -> "DraftModelProposer":
@@ -38,55 +55,48 @@ class DraftModelProposer:
             model.to(engine.device)
         return cls(model, engine.n_ctx, engine.device)
 
-    def reusable_prefix(self, prompt: list[int]) -> int:
+    def reusable_prefix(self, st: DraftState, prompt: list[int]) -> int:
         return len(prompt)  # keeps its own cache consistent in `_sync`
 
-    def reset(self) -> None:
-        """Forget the draft model's cached prefix (a benchmark repeat must not reuse it)."""
-        self.cache.reset()
-        self.committed = []
-
-    def _sync(self, tokens: list[int]) -> torch.Tensor | None:
+    def _sync(self, st: DraftState, tokens: list[int]) -> torch.Tensor | None:
         """Make the draft cache hold exactly `tokens`; return the hidden state of the last one."""
-        common = 0
-        for a, b in zip(self.committed, tokens):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(tokens) - 1)
-        self.cache.trim(self.cache.length - common)
-        self.committed = list(tokens[:common])
+        cache = st.cache
+        common = min(common_prefix(st.committed, tokens), len(tokens) - 1)
+        if cache.length - common > cache.max_trim():
+            common = 0
+        cache.trim(cache.length - common)
+        st.committed = list(tokens[:common])
         todo = torch.tensor(tokens[common:], dtype=torch.long, device=self.device)
         h = None
-        for s in range(0, todo.shape[0], 512):
-            h = self.model(todo[s:s + 512], self.cache)
-        self.committed = list(tokens)
+        for s in range(0, todo.shape[0], PREFILL_CHUNK):
+            h = self.model(todo[s:s + PREFILL_CHUNK], cache)
+        st.committed = list(tokens)
         return h[-1:]
 
-    def begin(self, engine, prompt, prompt_hidden, start) -> None:
-        self._sync(list(prompt))  # draft prefill counts as prompt time
+    def begin(self, st: DraftState, prompt, prompt_hidden, start) -> None:
+        self._sync(st, list(prompt))  # draft prefill counts as prompt time
 
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
-        k = min(k, self.cache.max_len - len(history))
+    def propose(self, st: DraftState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+        k = min(k, st.cache.max_len - len(history))
         if k <= 0:
             return [], []
-        h = self._sync(history)
-        base = self.cache.length
+        h = self._sync(st, history)
+        base = st.cache.length
         drafts, qs = [], []
         hist = list(history)
         cum = 1.0
         for i in range(k):
             d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, max(p_min, p_cum))
             cum *= top
-            if top < p_min or cum < p_cum:
+            if stop_drafting(top, cum, p_min, p_cum):
                 break
             drafts.append(d)
             qs.append(q)
             hist.append(d)
             if i + 1 < k:
-                h = self.model(torch.tensor([d], device=self.device), self.cache)
-        self.cache.trim(self.cache.length - base)  # keep only true tokens
+                h = self.model(torch.tensor([d], device=self.device), st.cache)
+        st.cache.trim(st.cache.length - base)  # keep only true tokens
         return drafts, qs
 
-    def accept(self, history, n_accepted, target_hidden) -> None:
+    def accept(self, st: DraftState, history, n_accepted, target_hidden) -> None:
         pass  # the next `propose` syncs to the new history

@@ -18,7 +18,7 @@ from ..models.base import Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
-from .verifier import draft_token
+from .verifier import common_prefix, draft_token, stop_drafting
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
@@ -140,12 +140,36 @@ def find_head_for(trunk_path: Path) -> Path | None:
     return None
 
 
+class MTPState:
+    """One sequence's drafting state for an MTP head: the head's own KV cache of (t_{i+1}, h_i)
+    entries, the trunk states not yet fed to it, and the request's tokens outside the draft vocabulary."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
+        self.pending_h: torch.Tensor | None = None  # trunk hidden states not yet fed to the head
+        self.pending_start = 0  # position of pending_h[0]
+        self.clear_context(None)
+
+    def clear_context(self, vocab) -> None:
+        self.ctx_tokens: list[int] = []  # this request's tokens outside the draft vocabulary
+        self.ctx_seen = 0  # history tokens already scanned for them
+        self.ctx_head = None  # lm_head rows of ctx_tokens
+        self.draft_ids = vocab  # token id of each draft logit: the vocabulary, then ctx_tokens
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens, self.pending_h, self.pending_start = [], None, 0
+
+
 class MTPProposer:
-    """Drafts with an MTP head from the trunk's hidden states (no second pass of the trunk)."""
+    """Drafts with an MTP head from the trunk's hidden states (no second pass of the trunk).
+    The head's weights are shared by every sequence; each sequence has an `MTPState` (`new_state`)."""
 
     def __init__(self, head: MTPHead, trunk, n_ctx: int, device="cpu"):
         self.head = head
         self.trunk = trunk
+        self.n_ctx = n_ctx
         self.embed = head.embed or trunk.embed
         self.lm_head = head.lm_head or trunk.lm_head
         self.vocab = getattr(head, "draft_vocab", None)  # reduced draft vocabulary (token ids) or None
@@ -158,12 +182,12 @@ class MTPProposer:
             self.context_vocab = True
             self._in_vocab = torch.zeros(trunk.cfg.vocab_size, dtype=torch.bool)
             self._in_vocab[self.vocab.cpu()] = True
-        self._reset_context()
-        self.cache = head.make_cache(trunk.cfg, n_ctx, device)
         self.device = device
-        self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
-        self.pending_h: torch.Tensor | None = None  # trunk hidden states not yet fed to the head
-        self.pending_start = 0  # position of pending_h[0]
+
+    def new_state(self) -> MTPState:
+        st = MTPState(self.head.make_cache(self.trunk.cfg, self.n_ctx, self.device))
+        st.clear_context(self.vocab)
+        return st
 
     @classmethod
     def for_engine(cls, engine, head_path: str | None = None) -> "MTPProposer":
@@ -191,101 +215,92 @@ class MTPProposer:
 
     MAX_CONTEXT_ROWS = 4096
 
-    def _reset_context(self) -> None:
-        self.ctx_tokens: list[int] = []  # this request's tokens outside the draft vocabulary
-        self.ctx_seen = 0  # history tokens already scanned for them
-        self.ctx_head = None  # lm_head rows of ctx_tokens
-        self.draft_ids = self.vocab  # token id of each draft logit: the vocabulary, then ctx_tokens
-
-    def _update_context(self, history: list[int]) -> None:
-        if not self.context_vocab or len(self.ctx_tokens) >= self.MAX_CONTEXT_ROWS:
+    def update_context(self, st: MTPState, history: list[int]) -> None:
+        """Add the history's new tokens outside the draft vocabulary to the sequence's draft candidates."""
+        if not self.context_vocab or len(st.ctx_tokens) >= self.MAX_CONTEXT_ROWS:
             return
-        have = set(self.ctx_tokens)
-        new = [t for t in dict.fromkeys(history[self.ctx_seen:])
+        have = set(st.ctx_tokens)
+        new = [t for t in dict.fromkeys(history[st.ctx_seen:])
                if 0 <= t < self._in_vocab.shape[0] and not self._in_vocab[t] and t not in have]
-        self.ctx_seen = len(history)
+        st.ctx_seen = len(history)
         if new:
-            self.ctx_tokens += new[:self.MAX_CONTEXT_ROWS - len(self.ctx_tokens)]
-            ids = torch.tensor(self.ctx_tokens, dtype=torch.long)
-            self.ctx_head = self.trunk.lm_head.rows(ids)
-            self.draft_ids = torch.cat([self.vocab, ids.to(self.vocab.device)])
+            st.ctx_tokens += new[:self.MAX_CONTEXT_ROWS - len(st.ctx_tokens)]
+            ids = torch.tensor(st.ctx_tokens, dtype=torch.long)
+            st.ctx_head = self.trunk.lm_head.rows(ids)
+            st.draft_ids = torch.cat([self.vocab, ids.to(self.vocab.device)])
 
     # the head's cache entry at position i needs t_{i+1}: it can reuse entries for prompt[1:]
-    def reusable_prefix(self, prompt: list[int]) -> int:
-        common = 0
-        for a, b in zip(self.tokens, prompt[1:]):
-            if a != b:
-                break
-            common += 1
-        return min(common, self.cache.length)
+    def reusable_prefix(self, st: MTPState, prompt: list[int]) -> int:
+        return min(common_prefix(st.tokens, prompt[1:]), st.cache.length)
 
     @torch.inference_mode()
-    def begin(self, engine, prompt, prompt_hidden: torch.Tensor, start: int) -> None:
+    def begin(self, st: MTPState, prompt, prompt_hidden: torch.Tensor, start: int) -> None:
         """The prompt's hidden states (positions start .. len(prompt)-1) go through the head now, as
         part of prompt processing: then a later request that shares this prefix finds it in the head's
         cache too, even when this one ends before any drafting. The last position waits for the first
         generated token (its entry needs t_{i+1})."""
-        self.cache.trim(self.cache.length - start)
-        self._reset_context()
-        self._update_context(prompt)
+        st.cache.trim(st.cache.length - start)
+        st.clear_context(self.vocab)
+        self.update_context(st, prompt)
         n = len(prompt) - 1 - start  # positions whose next token is already known
         if n > 0:
             toks = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long, device=self.device)
-            self.head(self.embed(toks), prompt_hidden[:n], self.cache)
+            self.head(self.embed(toks), prompt_hidden[:n], st.cache)
         n = max(n, 0)
-        self.tokens = list(prompt[1:start + 1 + n])
-        self.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
-        self.pending_start = start + n
+        st.tokens = list(prompt[1:start + 1 + n])
+        st.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
+        st.pending_start = start + n
 
     @torch.inference_mode()
-    def propose(self, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
-        c = self.cache.length
-        assert c == self.pending_start, "MTP cache out of step with the trunk"
-        k = min(k, self.cache.max_len - p0)
-        if k <= 0 or self.pending_h is None:
+        cache = st.cache
+        c = cache.length
+        assert c == st.pending_start, "MTP cache out of step with the trunk"
+        k = min(k, cache.max_len - p0)
+        if k <= 0 or st.pending_h is None:
             return [], []
         # catch-up: true entries for positions c..p0-1 with (t_{i+1}, h_i)
         toks = torch.tensor(history[c + 1:p0 + 1], dtype=torch.long, device=self.device)
-        g = self.head(self.embed(toks), self.pending_h, self.cache)
-        self.tokens = list(history[1:p0 + 1])
-        self.pending_h = None
+        g = self.head(self.embed(toks), st.pending_h, cache)
+        st.tokens = list(history[1:p0 + 1])
+        st.pending_h = None
         drafts, qs = [], []
         hist = list(history)
-        self._update_context(history)
+        self.update_context(st, history)
         g_last = g[-1:]
         cut, cum = max(p_min, p_cum), 1.0  # top probabilities are computed only for a cut-off
         for i in range(k):
             logits = self.lm_head(g_last)[0]
-            if self.ctx_head is not None:
-                logits = torch.cat([logits, self.ctx_head(g_last)[0]])
+            if st.ctx_head is not None:
+                logits = torch.cat([logits, st.ctx_head(g_last)[0]])
             if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
                 # greedy drafts from the draft vocabulary's logits alone: the tokens outside it have
                 # -inf (probability 0), so argmax and top probability are those of the full vector
                 j = int(logits.argmax())
-                d, q = int(self.draft_ids[j]), None
+                d, q = int(st.draft_ids[j]), None
                 top = float(torch.softmax(logits, -1)[j]) if cut > 0 else 1.0
             else:
                 if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
                     logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
-                                        device=logits.device).index_copy_(0, self.draft_ids, logits)
+                                        device=logits.device).index_copy_(0, st.draft_ids, logits)
                 d, q, top = draft_token(logits, sampler, hist, cut)
             cum *= top
-            if top < p_min or cum < p_cum:
+            if stop_drafting(top, cum, p_min, p_cum):
                 break
             drafts.append(d)
             qs.append(q)
             hist.append(d)
             if i + 1 < k:
-                g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, self.cache)
-        self.cache.trim(self.cache.length - p0)  # drop speculative recursion entries
+                g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, cache)
+        cache.trim(cache.length - p0)  # drop speculative recursion entries
         return drafts, qs
 
-    def accept(self, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
-        if self.pending_h is not None:
+    def accept(self, st: MTPState, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
+        if st.pending_h is not None:
             # no `propose` consumed the earlier states (another member of a chain drafted this step,
             # or there was no room): keep them, positions pending_start.. continue into these
-            self.pending_h = torch.cat([self.pending_h, target_hidden])
+            st.pending_h = torch.cat([st.pending_h, target_hidden])
             return
-        self.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
-        self.pending_start = self.cache.length
+        st.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
+        st.pending_start = st.cache.length

@@ -9,13 +9,16 @@ class NgramProposer:
     def __init__(self, n_min: int = 1, n_max: int = 4):
         self.n_min, self.n_max = n_min, n_max
 
-    def reusable_prefix(self, prompt: list[int]) -> int:
-        return len(prompt)  # stateless
+    def new_state(self) -> None:
+        return None  # stateless: drafts come from the history alone
 
-    def begin(self, engine, prompt, prompt_hidden, start) -> None:
+    def reusable_prefix(self, st, prompt: list[int]) -> int:
+        return len(prompt)
+
+    def begin(self, st, prompt, prompt_hidden, start) -> None:
         pass
 
-    def propose(self, history: list[int], k: int, sampler=None, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st, history: list[int], k: int, sampler=None, p_min: float = 0.0, p_cum: float = 0.0):
         arr = np.asarray(history, dtype=np.int64)
         L = len(arr)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
@@ -29,5 +32,5 @@ class NgramProposer:
                     return cont, [None] * len(cont)  # one-hot drafts: q(d) = 1
         return [], []
 
-    def accept(self, history, n_accepted, target_hidden) -> None:
+    def accept(self, st, history, n_accepted, target_hidden) -> None:
         pass

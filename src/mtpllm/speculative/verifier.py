@@ -11,7 +11,8 @@ Left to right:
       min(1, p(d_i)/q(d_i)); on rejection sample from normalize(max(0, p - q)) and stop; if all
       are accepted, sample the bonus token from p(L_k). A one-hot draft (n-gram, greedy draft)
       has q(d_i) = 1. The emitted tokens are then distributed exactly as plain sampling from p.
-Rejected positions are rolled back with `KVCache.trim`.
+Rejected positions are rolled back in one place, `SpeculativeDecoder.commit`, through the cache
+protocol (`runtime/cache.py`): `cache.trim(rejected)` for KV caches and recurrent state alike.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.sampling import Sampler
+from ..runtime.sequence import Block, common_prefix  # noqa: F401  (proposers import common_prefix from here)
 
 
 @dataclass
@@ -134,6 +136,12 @@ def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
     return d, q, top
 
 
+def stop_drafting(top: float, cum: float, p_min: float, p_cum: float) -> bool:
+    """The draft cut-offs: the draft's top probability below p_min, or the product of this step's
+    draft probabilities (the proposer's estimate that the whole draft is accepted) below p_cum."""
+    return top < p_min or cum < p_cum
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)): where to sample after rejecting a draft (this is what makes it lossless)."""
     residual = (p - q).clamp_min(0)
@@ -178,63 +186,67 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
     return len(drafts), sampler.sample_from(sampler.probs(logits[len(drafts)], hist))
 
 
-class VerifiedBlock(list):
-    """The tokens one verification step emits: its `accepted` draft tokens, then the target's own."""
-
-    def __init__(self, tokens: list[int], accepted: int):
-        super().__init__(tokens)
-        self.accepted = accepted
-
-
 class SpeculativeDecoder:
-    """Step generator for speculative decoding with any proposer (see module docstring)."""
+    """Speculative decoding with any proposer (see module docstring), one step split in two:
+    `plan` drafts and returns the rows to verify ([x0] + drafts), `commit` applies the acceptance
+    rule to the target's hidden states of those rows, rolls back the rejected ones and tells the
+    proposer. The proposer's weights are shared; its per-sequence state is `seq.draft`."""
+    speculative = True
 
     def __init__(self, proposer, cfg):
         self.proposer = proposer
         self.cfg = cfg
-        self.stats = SpecStats()
 
-    def steps(self, engine, prompt: list[int], sampler: Sampler):
-        self.stats = stats = SpecStats()
-        cfg, prop = self.cfg, self.proposer
-        model, cache = engine.model, engine.cache
-        draft_sampler = Sampler(sampler.p, engine.device)
-        if sampler.p.seed is not None:
-            draft_sampler.gen.manual_seed(int(sampler.p.seed) ^ 0x5EED)
-        hidden_last = engine._prefill(prompt, max_reuse=prop.reusable_prefix(prompt))
-        history = list(prompt)
-        x0 = sampler.sample(model.logits(hidden_last)[0], history)
-        prop.begin(engine, prompt, engine.last_prompt_hidden, engine.last_cached_n)
-        yield []  # prefill done
-        history.append(x0)
-        yield [x0]
-        k = cfg.num_speculative_tokens
-        while True:
-            # verification stores x0 + drafts, and the emitted token must still fit: total <= n_ctx
-            room = cache.max_len - cache.length - 2
-            if room < 0:
-                return
-            t0 = time.perf_counter()
-            drafts, qs = prop.propose(history, min(k, room), draft_sampler, cfg.p_min, cfg.p_cum) if room > 0 else ([], [])
-            t1 = time.perf_counter()
-            inp = torch.tensor([x0] + drafts, dtype=torch.long, device=engine.device)
-            hidden = model(inp, cache)  # [1+len(drafts), D]
-            logits = model.logits(hidden)
-            n, y = accept_drafts(logits, drafts, qs, sampler, history)
-            cache.trim(len(drafts) - n)
-            engine._cached_tokens.extend([x0] + drafts[:n])
-            t2 = time.perf_counter()
-            new = drafts[:n] + [y]
-            history.extend(new)
-            prop.accept(history, n, hidden[: n + 1])
-            t3 = time.perf_counter()
-            stats.record(len(drafts), n, getattr(prop, "last", None))
-            stats.draft_ms += (t1 - t0 + t3 - t2) * 1e3
-            stats.verify_ms += (t2 - t1) * 1e3
-            if cfg.adaptive and drafts:
-                if n == len(drafts) == k:
-                    k = min(k + 1, cfg.num_speculative_tokens)
-                elif n == 0:
-                    k = max(k - 1, cfg.min_speculative_tokens)
-            x0 = y
-            yield VerifiedBlock(new, n)
+    def new_state(self, seq):
+        return seq.slot.draft_state(self.proposer)
+
+    def new_stats(self) -> SpecStats:
+        return SpecStats()
+
+    def start(self, engine, seq) -> list[int]:
+        prop, st = self.proposer, seq.draft
+        hidden_last = engine.prefill(seq, max_reuse=prop.reusable_prefix(st, seq.prompt))
+        logits = engine.model.logits(hidden_last)
+        x0 = seq.sampler.sample(logits[0], seq.history)
+        prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
+        seq.history.append(x0)
+        seq.x0 = x0
+        return seq.block([x0], 0, logits)
+
+    def plan(self, seq) -> list[int] | None:
+        cache, cfg = seq.slot.cache, self.cfg
+        # verification stores x0 + drafts, and the emitted token must still fit: total <= n_ctx
+        room = cache.max_len - cache.length - 2
+        if room < 0:
+            return None
+        t0 = time.perf_counter()
+        seq.pending = self.proposer.propose(seq.draft, seq.history, min(seq.k, room), seq.draft_sampler,
+                                            cfg.p_min, cfg.p_cum) if room > 0 else ([], [])
+        seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
+        return [seq.x0] + seq.pending[0]
+
+    def commit(self, engine, seq, hidden: torch.Tensor, forward_ms: float = 0.0) -> Block:
+        """hidden [1 + len(drafts), D]: the target's states of this step's rows (already in its cache)."""
+        t0 = time.perf_counter()
+        drafts, qs = seq.pending
+        logits = engine.model.logits(hidden)
+        n, y = accept_drafts(logits, drafts, qs, seq.sampler, seq.history)
+        seq.slot.cache.trim(len(drafts) - n)  # the one rollback: KV entries and recurrent state alike
+        seq.slot.tokens.extend([seq.x0] + drafts[:n])
+        t1 = time.perf_counter()
+        new = drafts[:n] + [y]
+        seq.history.extend(new)
+        self.proposer.accept(seq.draft, seq.history, n, hidden[: n + 1])
+        stats = seq.stats
+        stats.record(len(drafts), n, getattr(seq.draft, "last", None))
+        stats.draft_ms += (time.perf_counter() - t1) * 1e3
+        stats.verify_ms += forward_ms + (t1 - t0) * 1e3
+        cfg = self.cfg
+        if cfg.adaptive and drafts:
+            if n == len(drafts) == seq.k:
+                seq.k = min(seq.k + 1, cfg.num_speculative_tokens)
+            elif n == 0:
+                seq.k = max(seq.k - 1, cfg.min_speculative_tokens)
+        seq.x0 = y
+        seq.pending = ([], [])
+        return seq.block(new, n, logits)

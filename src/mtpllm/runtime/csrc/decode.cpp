@@ -124,9 +124,30 @@ struct DecodeStack : torch::CustomClassHolder {
 
   at::Tensor forward(at::Tensor x, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin, int64_t start,
                      int64_t first, int64_t count) {
+    return forward_batch(x, {k}, {v}, {start}, {x.size(0)}, cos, sin, first, count);
+  }
+
+  // Several sequences' rows in one pass: x [R, D] holds rows[s] consecutive rows of sequence s, at
+  // positions [starts[s], starts[s] + rows[s]) of its own cache ks[s], vs[s] ([layers, KV, max_len, D]).
+  // The matrix products run over all R rows at once (each row's result is what it gets alone: the
+  // row kernels compute every output from its own input row), attention per sequence in its cache.
+  at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs,
+                           std::vector<int64_t> starts, std::vector<int64_t> rows, at::Tensor cos, at::Tensor sin,
+                           int64_t first, int64_t count) {
     TORCH_CHECK(first >= 0 && count >= 0 && first + count <= size(), "DecodeStack: layers out of range");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "DecodeStack: x float32 [T, D]");
-    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(), "DecodeStack: caches [layers, KV, max_len, D]");
+    const size_t S = ks.size();
+    TORCH_CHECK(S > 0 && vs.size() == S && starts.size() == S && rows.size() == S,
+                "DecodeStack: one cache, start and row count per sequence");
+    int64_t total = 0;
+    for (size_t s = 0; s < S; ++s) {
+      TORCH_CHECK(ks[s].dim() == 4 && vs[s].sizes() == ks[s].sizes(), "DecodeStack: caches [layers, KV, max_len, D]");
+      TORCH_CHECK(rows[s] > 0 && starts[s] >= 0 && starts[s] + rows[s] <= ks[s].size(2) &&
+                      starts[s] + rows[s] <= cos.size(0),
+                  "DecodeStack: sequence rows out of its cache or rotary range");
+      total += rows[s];
+    }
+    TORCH_CHECK(total == x.size(0), "DecodeStack: row counts do not add up to x's rows");
     x = x.contiguous();
     using clock = std::chrono::steady_clock;
     clock::time_point t0;
@@ -137,14 +158,21 @@ struct DecodeStack : torch::CustomClassHolder {
       t0 = t1;
     };
     lap(-1);
+    std::vector<at::Tensor> parts(S);
     for (int64_t i = first; i < first + count; ++i) {
       const Layer& L = layers[i];
-      TORCH_CHECK(L.slot < k.size(0), "DecodeStack: cache has no slot ", L.slot);
       at::Tensor qkv = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.attn_norm, eps), L.qkv_w, L.qkv_t);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
       lap(0);
-      at::Tensor o = mtpllm::attend_rows(qkv, cos, sin, k.select(0, L.slot), v.select(0, L.slot), start, n_heads,
-                                         n_kv, head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
+      int64_t off = 0;
+      for (size_t s = 0; s < S; ++s) {
+        TORCH_CHECK(L.slot < ks[s].size(0), "DecodeStack: cache has no slot ", L.slot);
+        parts[s] = mtpllm::attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin, ks[s].select(0, L.slot),
+                                       vs[s].select(0, L.slot), starts[s], n_heads, n_kv, head_dim, rot_dim, neox,
+                                       scale, L.q_norm, L.k_norm, qk_eps);
+        off += rows[s];
+      }
+      at::Tensor o = S == 1 ? parts[0] : at::cat(parts, 0);
       lap(1);
       x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
       lap(2);
@@ -168,6 +196,7 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("size", &DecodeStack::size)
       .def("forward", &DecodeStack::forward)
+      .def("forward_batch", &DecodeStack::forward_batch)
       .def("set_timing", &DecodeStack::set_timing)
       .def("stage_times", &DecodeStack::stage_times);
 }

@@ -1,0 +1,295 @@
+"""Continuous batching: many sequences, one forward per step.
+
+The scheduler owns `n_slots` lanes (`Slot`: a cache and draft states each). Requests wait in a
+bounded queue; between steps a waiting request takes a free slot (the one whose cached tokens share
+the longest prefix with its prompt, so a conversation's next turn reuses its own cache) and is
+prefilled. Each step then asks every running sequence's decoder for its rows (1 for plain decoding,
+1 + k for a verification), runs all rows through the model in ONE forward (`forward_batch`: the
+weights are read once for all sequences, attention runs per sequence in its own cache), and lets
+each decoder commit its rows: acceptance, rollback, its own proposer state. Sequences leave when
+they finish or their client cancels; a cancelled sequence stops within one step.
+
+Every sequence keeps its own speculation (draft state on its slot, statistics, samplers), so a
+sequence's tokens are exactly what it gets alone: greedy identical, sampled with the same seed
+identical (tested), whatever else runs beside it.
+
+A request's responses arrive on its own queue (`Request.__iter__`), so a server thread or an
+asyncio task can wait on them; the scheduler runs in one background thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import MtpllmError
+from .sampling import SamplingParams
+from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, common_prefix
+
+
+class QueueFull(MtpllmError):
+    """The waiting queue is at its limit: try again later."""
+
+
+class Request:
+    """A submitted generation. Iterate it for its `Response`s (the last has a finish_reason);
+    `cancel()` stops it within one step and frees its slot."""
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, prompt: list[int], params: SamplingParams):
+        self.id = next(Request._ids)
+        self.prompt = list(prompt)
+        self.params = params
+        self.queue: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.slot: int | None = None  # the slot it runs on, once admitted
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self):
+        while True:
+            item = self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+@dataclass
+class _Active:
+    req: Request
+    seq: Sequence
+    out: OutputText
+    timings: Timings
+    t_gen: float = 0.0  # when its generation (after the prefill) started
+    last_block: list = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, engine, speculative=None, n_slots: int = 1, max_queue: int = 64):
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise MtpllmError(f"parallel slots must be a positive integer, got {n_slots!r}")
+        if n_slots > 1:
+            from .engine import check_kv_memory
+            check_kv_memory(engine.model.cfg, engine.n_ctx * n_slots)
+        self.engine = engine
+        self.decoder = speculative or PlainDecoder()
+        self.slots = [engine.slot] + [engine.new_slot(i) for i in range(1, n_slots)]
+        self.max_queue = max_queue
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, _Active] = {}  # slot index -> active sequence
+        self.cv = threading.Condition()
+        self.accepting = True
+        self._stop = False
+        self.steps = 0  # forward passes run (observability)
+        self.listeners: list = []  # callables(req, response) called on every finished request
+        self.thread = threading.Thread(target=self._loop, name="mtpllm-scheduler", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ client side
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        self.engine._check_prompt(prompt_ids)
+        req = Request(prompt_ids, params)
+        with self.cv:
+            if not self.accepting:
+                raise MtpllmError("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue's limit): try again later")
+            self.waiting.append(req)
+            self.cv.notify()
+        return req
+
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def busy(self) -> int:
+        return len(self.running)
+
+    def slots_info(self) -> list[dict]:
+        """Per slot (llama.cpp's /slots shape, trimmed): id, busy, context size, cached tokens, the request."""
+        with self.cv:
+            info = []
+            for s in self.slots:
+                a = self.running.get(s.index)
+                d = {"id": s.index, "is_processing": a is not None, "n_ctx": s.cache.max_len,
+                     "n_cached": len(s.tokens), "id_task": a.req.id if a else None}
+                if a is not None:
+                    d["n_decoded"] = len(a.out.generated)
+                    d["n_prompt_tokens"] = len(a.req.prompt)
+                    if a.seq.stats is not None:
+                        d["speculative"] = a.seq.stats.to_dict()
+                info.append(d)
+            return info
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let running and waiting requests finish for up to `timeout` seconds,
+        then cancel what is left and stop the thread."""
+        with self.cv:
+            self.accepting = False
+        deadline = time.monotonic() + max(0.0, timeout)
+        while time.monotonic() < deadline:
+            with self.cv:
+                if not self.running and not self.waiting:
+                    break
+            time.sleep(0.02)
+        with self.cv:
+            for r in list(self.waiting) + [a.req for a in self.running.values()]:
+                r.cancel()
+            self.cv.notify()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            with self.cv:
+                if not self.running and not self.waiting:
+                    break
+            time.sleep(0.02)
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+        self.thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and not self.running and not self.waiting:
+                    self.cv.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug in the loop itself: fail what runs, keep serving
+                err = MtpllmError("internal error in the scheduler: " + traceback.format_exc(limit=3))
+                for idx in list(self.running):
+                    self._fail(idx, err)
+
+    def step(self) -> None:
+        """One scheduling step: drop cancelled, admit waiting, one forward over all running."""
+        with self.cv:
+            for r in [r for r in self.waiting if r.cancelled.is_set()]:
+                self.waiting.remove(r)
+                self._send(r, Response(None, "", "cancelled", Timings(load_ms=self.engine.load_ms)))
+            admit = []
+            free = [s for s in self.slots if s.index not in self.running]
+            while self.waiting and free:
+                req = self.waiting.popleft()
+                slot = max(free, key=lambda s: common_prefix(s.tokens, req.prompt))
+                free.remove(slot)
+                admit.append((req, slot))
+                self.running[slot.index] = None  # reserved
+        for idx, a in list(self.running.items()):
+            if a is not None and a.req.cancelled.is_set():
+                self._finish(idx, Response(None, a.out.flush(), "cancelled", a.timings, a.seq.stats))
+        for req, slot in admit:
+            self._start(req, slot)
+        live = [(i, a) for i, a in self.running.items() if a is not None]
+        plans = []
+        for idx, a in live:
+            try:
+                rows = a.seq.decoder.plan(a.seq)
+            except Exception as e:  # noqa: BLE001 - one request's failure fails that request only
+                self._fail(idx, e)
+                continue
+            if rows is None:  # its context is full
+                a.out.finish = "context"
+                self._finish(idx, Response(None, a.out.flush(), "context", a.timings, a.seq.stats))
+                continue
+            plans.append((idx, a, rows))
+        if not plans:
+            return
+        dev = self.engine.device
+        t0 = time.perf_counter()
+        try:
+            hidden = self.engine.model.forward_batch(
+                [torch.tensor(r, dtype=torch.long, device=dev) for _, _, r in plans], [a.seq.slot.cache for _, a, _ in plans])
+        except Exception:  # noqa: BLE001 - find the sequence that fails: run them one by one
+            hidden = []
+            for idx, a, r in plans:
+                try:
+                    hidden.append(self.engine.model(torch.tensor(r, dtype=torch.long, device=dev), a.seq.slot.cache))
+                except Exception as e:  # noqa: BLE001
+                    self._fail(idx, e)
+                    hidden.append(None)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.steps += 1
+        for (idx, a, _), h in zip(plans, hidden):
+            if h is None:
+                continue
+            try:
+                block = a.seq.decoder.commit(self.engine, a.seq, h, ms)
+            except Exception as e:  # noqa: BLE001
+                self._fail(idx, e)
+                continue
+            self._emit(idx, a, block)
+
+    def _start(self, req: Request, slot) -> None:
+        eng = self.engine
+        timings = Timings(load_ms=eng.load_ms)
+        try:
+            seq = eng.new_sequence(req.prompt, req.params, self.decoder if self.decoder.speculative else None, slot)
+            t0 = time.perf_counter()
+            block = seq.decoder.start(eng, seq)
+        except Exception as e:  # noqa: BLE001
+            slot.reset()  # its cache may hold a half-evaluated prompt
+            with self.cv:
+                self.running.pop(slot.index, None)
+            self._send(req, e if isinstance(e, MtpllmError) else MtpllmError(f"{type(e).__name__}: {e}"))
+            return
+        t1 = time.perf_counter()
+        timings.prompt_ms = (t1 - t0) * 1e3
+        timings.cached_n = seq.cached_n
+        timings.prompt_n = len(req.prompt) - seq.cached_n
+        req.slot = slot.index
+        a = _Active(req, seq, OutputText(eng.tokenizer, req.params), timings, t1)
+        with self.cv:
+            self.running[slot.index] = a
+        if a.out.finish is not None:  # max_tokens == 0
+            self._finish(slot.index, Response(None, "", a.out.finish, timings, seq.stats))
+            return
+        self._emit(slot.index, a, block)
+
+    def _emit(self, idx: int, a: _Active, block: list[int]) -> None:
+        tm = a.timings
+        for t, piece, finish, i in a.out.add(block):
+            tm.predicted_n = len(a.out.generated)
+            tm.predicted_ms = (time.perf_counter() - a.t_gen) * 1e3
+            r = a.out.response(block, i, t, piece, finish, tm, a.seq.stats)
+            if finish is not None:
+                self._finish(idx, r)
+                return
+            self._send(a.req, r)
+        if a.out.finish is not None:  # EOS
+            tm.predicted_n = len(a.out.generated)
+            tm.predicted_ms = (time.perf_counter() - a.t_gen) * 1e3
+            self._finish(idx, Response(None, a.out.flush(), a.out.finish, tm, a.seq.stats))
+
+    def _finish(self, idx: int, r: Response) -> None:
+        with self.cv:
+            a = self.running.pop(idx, None)
+        if a is not None:
+            self._send(a.req, r)
+            for fn in self.listeners:
+                try:
+                    fn(a.req, r)
+                except Exception:  # noqa: BLE001 - observability must not break serving
+                    pass
+
+    def _fail(self, idx: int, err: BaseException) -> None:
+        with self.cv:
+            a = self.running.pop(idx, None)
+        if a is None:
+            return
+        a.seq.slot.reset()  # its cache may be out of step with its tokens
+        self._send(a.req, err if isinstance(err, MtpllmError) else MtpllmError(f"{type(err).__name__}: {err}"))
+
+    @staticmethod
+    def _send(req: Request, item) -> None:
+        req.queue.put(item)
