@@ -6,11 +6,17 @@
   recovered from the vocabulary (Gemma files store none: the token order is the merge order;
   other files: the token scores).
 Control tokens are matched whole; `add_bos`/`add_eos` are honoured.
+
+The metadata is untrusted input: types, lengths, token ids and merges are checked (each merge's
+parts and result must be tokens) before the `tokenizers` library sees them, and anything it still
+refuses becomes an MtpllmError naming the file. Chat templates run sandboxed, with a time limit and
+a limit on the size of what they write.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import time
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -30,6 +36,11 @@ PRE_TOKENIZER_SPLITS = {
 }
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+MAX_TOKEN_CHARS = 1024  # merges are recovered by splitting each token: cost grows with its length squared
+TEMPLATE_MAX_SECONDS = 2.0
+TEMPLATE_MAX_CHARS = 4 << 20  # 4M characters of rendered prompt
+_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+            "eom_token_id", "sep_token_id")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -43,6 +54,54 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def _bad(where: str, key: str, what: str) -> MtpllmError:
+    return MtpllmError(f"{where}: tokenizer metadata '{key}' {what}")
+
+
+def _check_list(where: str, meta: dict, key: str, n: int | None, kinds: tuple) -> list | None:
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _bad(where, key, f"must be an array, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise _bad(where, key, f"has {len(v)} entries, expected one per token ({n})")
+    for i, x in enumerate(v):
+        if isinstance(x, bool) and bool not in kinds or not isinstance(x, kinds):
+            raise _bad(where, key, f"entry {i} is {x!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+    return v
+
+
+def check_metadata(meta: dict, where: str = "model file") -> None:
+    """Types, lengths and token ids of the tokenizer metadata (merges are checked when they are used)."""
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise _bad(where, key, f"must be a string, got {type(meta[key]).__name__}")
+    tokens = _check_list(where, meta, "tokenizer.ggml.tokens", None, (str,))
+    n = len(tokens or [])
+    _check_list(where, meta, "tokenizer.ggml.token_type", n, (int,))
+    _check_list(where, meta, "tokenizer.ggml.scores", n, (int, float))
+    merges = _check_list(where, meta, "tokenizer.ggml.merges", None, (str,))
+    for i, m in enumerate(merges or []):
+        a, sep, b = m.partition(" ")
+        if not a or not b:
+            raise _bad(where, "tokenizer.ggml.merges", f"entry {i} is {m[:40]!r}, expected two tokens separated "
+                                                       f"by a space")
+    for key in _ID_KEYS:
+        v = meta.get("tokenizer.ggml." + key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
+            raise _bad(where, "tokenizer.ggml." + key, f"is {v!r}, expected a token id from 0 to {n - 1}")
+
+
+def _check_merges(where: str, merges: list[tuple[str, str]], vocab: dict[str, int]) -> None:
+    """`tokenizers` needs both parts of a merge and their concatenation in the vocabulary."""
+    for i, (a, b) in enumerate(merges):
+        for piece in (a, b, a + b):
+            if piece not in vocab:
+                raise _bad(where, "tokenizer.ggml.merges", f"entry {i} ({a!r} + {b!r}) uses {piece!r}, which is "
+                                                           f"not a token of the vocabulary")
 
 
 def _merges_from_vocab(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
@@ -63,20 +122,31 @@ def _merges_from_vocab(tokens: list[str], rank: dict[str, float]) -> list[tuple[
 class GGUFTokenizer:
     """Encode/decode text exactly as the model was trained; built from a GGUF file's metadata."""
 
-    def __init__(self, meta: dict, arch: str = ""):
+    def __init__(self, meta: dict, arch: str = "", source: str | None = None):
+        where = str(source or getattr(meta, "source", None) or "model file")
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not kind or not tokens:
-            raise MtpllmError("GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+            raise MtpllmError(f"{where}: no tokenizer in this file (tokenizer.ggml.model / tokenizer.ggml.tokens "
+                              f"missing)")
+        check_metadata(meta, where)
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         self.vocab_size = len(tokens)
         self.tokens = tokens
-        if kind == "gpt2":
-            tk = self._byte_level(meta, tokens)
-        elif kind == "llama":
-            tk = self._sentencepiece(meta, tokens, arch)
-        else:
-            raise MtpllmError(f"tokenizer type '{kind}' is not supported (supported: gpt2, llama)")
+        try:
+            if kind == "gpt2":
+                tk = self._byte_level(meta, tokens, where)
+            elif kind == "llama":
+                tk = self._sentencepiece(meta, tokens, arch, where)
+            else:
+                raise MtpllmError(f"{where}: tokenizer type '{kind}' is not supported (supported: gpt2, llama)")
+            self._finish(tk, meta, tokens, types)
+        except MtpllmError:
+            raise
+        except Exception as exc:  # the tokenizers library refused the vocabulary: the file is at fault
+            raise MtpllmError(f"{where}: the tokenizer data is invalid ({type(exc).__name__}: {exc})") from None
+
+    def _finish(self, tk: Tokenizer, meta: dict, tokens: list[str], types: list[int]) -> None:
         # control tokens are matched whole (special), user-defined ones whole but not special;
         # only tokens that exist in the model vocabulary under their own id (never grow the vocab)
         specials = [AddedToken(t, normalized=False, special=True)
@@ -92,7 +162,7 @@ class GGUFTokenizer:
         self.special_ids = {i for i, ty in enumerate(types) if ty == TOKEN_TYPE_CONTROL}
         self.bos_id = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        default_bos = kind == "llama"
+        default_bos = meta.get("tokenizer.ggml.model") == "llama"
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
         self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
         self.eos_ids = {self.eos_id} if self.eos_id is not None else set()
@@ -107,7 +177,7 @@ class GGUFTokenizer:
 
     # ---- construction ------------------------------------------------------------------
     @staticmethod
-    def _byte_level(meta: dict, tokens: list[str]) -> Tokenizer:
+    def _byte_level(meta: dict, tokens: list[str], where: str) -> Tokenizer:
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab = {}
@@ -115,6 +185,7 @@ class GGUFTokenizer:
             key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
             vocab.setdefault(key, i)
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        _check_merges(where, merges, vocab)
         tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
         split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", "default"), _GPT2_SPLIT)
         tk.pre_tokenizer = pre_tokenizers.Sequence([
@@ -125,15 +196,20 @@ class GGUFTokenizer:
         return tk
 
     @staticmethod
-    def _sentencepiece(meta: dict, tokens: list[str], arch: str) -> Tokenizer:
+    def _sentencepiece(meta: dict, tokens: list[str], arch: str, where: str) -> Tokenizer:
         gemma = arch.startswith("gemma")
         if gemma:  # Gemma stores runs of spaces as real spaces; the model sees them as '▁'
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
+        long = next((i for i, t in enumerate(tokens) if len(t) > MAX_TOKEN_CHARS), None)
         if meta.get("tokenizer.ggml.merges"):
             merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+            _check_merges(where, merges, vocab)
+        elif long is not None:
+            raise _bad(where, "tokenizer.ggml.tokens", f"entry {long} is {len(tokens[long])} characters long; "
+                                                       f"at most {MAX_TOKEN_CHARS} are supported")
         elif gemma:  # Gemma's scores do not follow its merge order; the token order does
             merges = _merges_from_vocab(tokens, {t: -i for i, t in enumerate(tokens)})
         else:
@@ -170,9 +246,6 @@ class GGUFTokenizer:
 
     def token_to_id(self, s: str) -> int | None:
         return self._tk.token_to_id(s)
-
-    def id_to_piece(self, i: int) -> str:
-        return self.tokens[i]
 
     # ---- chat ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
