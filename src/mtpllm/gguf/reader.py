@@ -202,7 +202,7 @@ class GGUFFile:
             raise MtpllmError(f"{self.path}: truncated or damaged GGUF header while reading {key} "
                               f"(at byte {exc.args[0]} of {self.file_size})") from None
         except _Bad as exc:
-            raise MtpllmError(f"{self.path}: damaged GGUF header at {key}: {exc}") from None
+            raise MtpllmError(f"{self.path}: truncated or damaged GGUF header at {key}: {exc}") from None
         except (UnicodeDecodeError, ValueError, OverflowError, struct.error, KeyError) as exc:
             raise MtpllmError(f"{self.path}: damaged GGUF header while reading {key} ({exc})") from None
         pad = (-cur.pos) % self.alignment

@@ -73,12 +73,14 @@ class RopeConfig:
     base_swa: float | None = None  # sliding-window layers' base (gemma3: 10000)
 
     def __post_init__(self):
-        if not 1 < self.base <= MAX_ROPE_BASE:
-            raise MtpllmError(f"rope freq base must be > 1 and <= {MAX_ROPE_BASE:g}, got {self.base}")
+        if not (math.isfinite(self.base) and self.base > 0):
+            raise MtpllmError(f"rope freq base must be a finite number > 0, got {self.base}")
         if self.scaling not in ("none", "linear", "yarn"):
             raise MtpllmError(f"rope scaling must be none|linear|yarn, got '{self.scaling}'")
-        if self.scaling != "none" and not 0 < self.factor <= MAX_ROPE_FACTOR:
-            raise MtpllmError(f"rope scale factor must be > 0 and <= {MAX_ROPE_FACTOR:g}, got {self.factor}")
+        if self.scaling != "none" and not (math.isfinite(self.factor) and self.factor > 0):
+            raise MtpllmError(f"rope scale factor must be a finite number > 0, got {self.factor}")
+        if self.scaling == "yarn" and self.base <= 1:
+            raise MtpllmError(f"rope freq base must be > 1 for YaRN, got {self.base}")
         if not 0 <= self.orig_ctx <= MAX_CONTEXT:
             raise MtpllmError(f"rope original context must be from 0 to {MAX_CONTEXT}, got {self.orig_ctx}")
         if self.style not in ("neox", "normal"):
