@@ -10,9 +10,9 @@ or offset), bytes inserted or deleted. The mutant then goes through what a user 
 `inspect`, `doctor` and `Engine.load` with a short generation for a model; the MTP head loader (and
 one step of the head) for a head file.
 
-Cases run in a worker process under a memory ceiling (RLIMIT_AS: the worker's size after start-up
-plus --mem-mib) and a per-case time limit (SIGALRM, and a watchdog in the parent that restarts a
-stuck worker). Outcomes: load (the file worked), error (MtpllmError), crash (any other exception, or
+Cases run in worker processes under a memory ceiling (RLIMIT_AS: the worker's size after start-up
+plus --mem-mib) and a per-case limit of CPU time (SIGPROF, so that a busy machine does not turn a
+slow case into a "hang"; a watchdog in the parent restarts a worker stuck in native code). Outcomes: load (the file worked), error (MtpllmError), crash (any other exception, or
 the worker died), hang (time limit). Exit code 1 when there is any crash or hang.
 
     python scripts/fuzz_models.py --cases 100000 --seed 1 --json fuzz.json
@@ -229,10 +229,12 @@ class Targets:
         self.trunk = Engine.load(str(seeds["trunk"]), n_ctx=32)
 
     def model(self, path: Path, deep: bool) -> None:
+        from mtpllm.gguf.reader import GGUFFile
         from mtpllm.runtime.engine import Engine
         from mtpllm.runtime.sampling import SamplingParams
         from mtpllm.tools.doctor import diagnose
         from mtpllm.tools.inspect import format_text, inspect_file
+        GGUFFile(path)  # inspect, doctor and Engine.load all start here: a header error ends the case
         r = inspect_file(path)
         json.dumps(r, default=str)
         format_text(r)
@@ -276,7 +278,7 @@ def worker(args) -> None:
     base_rss = _rss_kib()
     limit = _vm_size() + args.mem_mib * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGPROF, _on_alarm)
     out = sys.stdout
     out.write(f"ready {base_rss}\n")
     out.flush()
@@ -290,7 +292,7 @@ def worker(args) -> None:
         out.flush()
         t0 = time.perf_counter()
         status, detail = "load", ""
-        signal.setitimer(signal.ITIMER_REAL, args.case_s)
+        signal.setitimer(signal.ITIMER_PROF, args.case_s)
         try:
             if "head" in name:
                 targets.head(path)
@@ -305,7 +307,7 @@ def worker(args) -> None:
             where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
             status, detail = "crash", f"{type(exc).__name__}: {str(exc)[:200]} at {where} [{how}]"
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
         dt = time.perf_counter() - t0
         out.write(json.dumps({"i": i, "seed": name, "status": status, "s": round(dt, 4),
                               "rss_kib": _rss_kib() - base_rss, "detail": detail}) + "\n")
@@ -337,7 +339,7 @@ def campaign(n_cases: int, seed: int = 0, workdir: str | Path | None = None, cas
                                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
         current, ready = None, False
         while True:
-            wait = case_s * 3 + 10 if ready else 600
+            wait = max(120, case_s * 10) if ready else 1200
             r, _, _ = select.select([proc.stdout], [], [], wait)
             if not r:  # stuck beyond the in-process alarm (inside native code): a hang
                 proc.kill()
@@ -372,7 +374,7 @@ def campaign(n_cases: int, seed: int = 0, workdir: str | Path | None = None, cas
                     bad.append(rec)
                 i = rec["i"] + 1
                 current = None
-                if log and i % 1000 == 0:
+                if log and (i - start) % 1000 == 0:
                     log(f"{i - start} cases, {dict(counts)}, peak +{peak_kib / 1024:.1f} MiB, "
                         f"slowest {slowest:.2f} s, {time.time() - t_start:.0f} s")
                 if i >= stop:
@@ -389,6 +391,24 @@ def campaign(n_cases: int, seed: int = 0, workdir: str | Path | None = None, cas
             "case_limit_s": case_s, "memory_ceiling_mib": mem_mib, "by_seed": seeds_summary, "bad": bad[:200]}
 
 
+def merge(parts: list[dict]) -> dict:
+    """The figures of several campaigns over consecutive case ranges, as one."""
+    out = dict(parts[0])
+    for k in ("cases", "load", "error", "crash", "hang"):
+        out[k] = sum(p[k] for p in parts)
+    for k in ("peak_rss_growth_mib", "slowest_case_s", "wall_s"):
+        out[k] = max(p[k] for p in parts)
+    out["start"] = min(p["start"] for p in parts)
+    out["by_seed"] = {}
+    for p in parts:
+        for s, d in p["by_seed"].items():
+            for st, n in d.items():
+                out["by_seed"].setdefault(s, {}).setdefault(st, 0)
+                out["by_seed"][s][st] += n
+    out["bad"] = [b for p in parts for b in p["bad"]][:200]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000)
@@ -396,7 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first case number (to replay one case)")
     ap.add_argument("--case-s", type=float, default=5.0, help="time limit of one case (seconds)")
     ap.add_argument("--mem-mib", type=int, default=1024, help="memory ceiling above the worker's start-up size")
-    ap.add_argument("--nice", type=int, default=0)
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the workers")
+    ap.add_argument("--jobs", type=int, default=1, help="workers running side by side")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -405,8 +426,18 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
-    res = campaign(a.cases, a.seed, a.workdir, a.case_s, a.mem_mib, a.nice, a.start,
-                   log=lambda m: print(m, file=sys.stderr, flush=True))
+    def one(k: int) -> dict:
+        n = a.cases // a.jobs + (k < a.cases % a.jobs)
+        first = a.start + k * (a.cases // a.jobs) + min(k, a.cases % a.jobs)
+        wd = None if a.workdir is None else Path(a.workdir) / f"job{k}"
+        return campaign(n, a.seed, wd, a.case_s, a.mem_mib, a.nice, first,
+                        log=lambda m: print(f"[job {k}] {m}", file=sys.stderr, flush=True))
+    if a.jobs > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(a.jobs) as ex:
+            res = merge(list(ex.map(one, range(a.jobs))))
+    else:
+        res = one(0)
     text = json.dumps(res, indent=1)
     if a.json:
         Path(a.json).write_text(text + "\n")

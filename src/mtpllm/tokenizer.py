@@ -15,11 +15,17 @@ a limit on the size of what they write.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import math
+import re
+import threading
 import time
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .errors import MtpllmError
@@ -38,7 +44,8 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 MAX_TOKEN_CHARS = 1024  # merges are recovered by splitting each token: cost grows with its length squared
 TEMPLATE_MAX_SECONDS = 2.0
-TEMPLATE_MAX_CHARS = 4 << 20  # 4M characters of rendered prompt
+TEMPLATE_MAX_CHARS = 4 << 20  # 4M characters of rendered prompt (or of any string or list it builds)
+TEMPLATE_MAX_SOURCE = 1 << 20  # released templates are a few kilobytes
 _ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
             "eom_token_id", "sep_token_id")
 
@@ -264,31 +271,214 @@ def _raise_exception(msg):
     raise TemplateError(msg)
 
 
+class TemplateLimit(TemplateError):
+    """A chat template ran past its time or output-size limit."""
+
+
+_limits = threading.local()  # deadline of the render running in this thread
+_FORMAT_SPEC = re.compile(r"\{[^{}]*:([^{}]*)\}")
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+def _tick() -> None:
+    if time.monotonic() > getattr(_limits, "deadline", math.inf):
+        raise TemplateLimit(f"the chat template ran longer than {TEMPLATE_MAX_SECONDS:g} s")
+
+
+def _fits(n: int, what: str) -> None:
+    if n > TEMPLATE_MAX_CHARS:
+        raise TemplateLimit(f"the chat template would build {what} of {n} items, more than the limit of "
+                            f"{TEMPLATE_MAX_CHARS}")
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+
+
+def _check_ints(args, kwargs) -> None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS:
+            raise TemplateLimit(f"the chat template passes the number {a} to a function (at most "
+                                f"{TEMPLATE_MAX_CHARS})")
+
+
+def _check_percent(fmt: str, right) -> None:
+    for width, prec in _PERCENT_SPEC.findall(fmt):
+        for w in (width, prec):
+            if w == "*" or (w and int(w) > TEMPLATE_MAX_CHARS):
+                raise TemplateLimit(f"the chat template formats with a width or precision {w!r} (at most "
+                                    f"{TEMPLATE_MAX_CHARS})")
+    _check_ints(right if isinstance(right, tuple) else (right,), {})
+
+
+class _LimitedCodeGenerator(CodeGenerator):
+    def visit_Concat(self, node, frame) -> None:  # `a ~ b`: sized before it is built
+        self.write("environment.limited_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _LimitedNamespace(Namespace):
+    def __setitem__(self, name, value) -> None:
+        _tick()
+        _fits(_size(value), "a namespace value")
+        super().__setitem__(name, value)
+
+
+class _LimitedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a deadline checked at every loop step, call, attribute lookup and operator, and
+    sizes checked before a string or list is built (`*`, `+`, `~`, `%`, join, replace, padding)."""
+    code_generator_class = _LimitedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for node in tree.find_all(nodes.For):  # every loop steps through the deadline check
+            node.iter = nodes.Filter(node.iter, "_loop_guard", [], [], None, None, lineno=node.lineno)
+        return tree
+
+    def limited_concat(self, parts) -> str:
+        _tick()
+        parts = [str(p) for p in parts]
+        _fits(sum(map(len, parts)), "a string")
+        return "".join(parts)
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(n, int) and _size(seq):
+                    _fits(_size(seq) * n, "a string or list")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            if right * left.bit_length() > 4096:
+                raise TemplateLimit(f"the chat template computes {left} ** {right}, a number too large")
+        elif operator == "+":
+            _fits(_size(left) + _size(right), "a string or list")
+        elif operator == "%" and isinstance(left, str):
+            _check_percent(left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _tick()
+        _check_ints(args, kwargs)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and args:
+            name = getattr(__obj, "__name__", "")
+            if name == "join":
+                items = [str(x) for x in args[0]]
+                _fits(sum(map(len, items)) + len(owner) * len(items), "a string")
+                args = (items,) + args[1:]
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                _fits(len(owner) + (owner.count(args[0]) + 1) * len(args[1]), "a string")
+            elif name == "expandtabs" and isinstance(args[0], int):
+                _fits(len(owner) + owner.count("\t") * args[0], "a string")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def wrap_str_format(self, value):
+        fmt = getattr(value, "__self__", None)
+        if isinstance(fmt, str):
+            for spec in _FORMAT_SPEC.findall(fmt):
+                if any(int(d) > TEMPLATE_MAX_CHARS for d in re.findall(r"\d+", spec)):
+                    raise TemplateLimit(f"the chat template formats with the spec {spec[:40]!r}: too wide")
+        return super().wrap_str_format(value)
+
+
+def _loop_guard(items):
+    for x in items:
+        _tick()
+        yield x
+
+
+def _limited_filter(name: str, f):
+    """A built-in filter with its sizes checked first (arguments after a context argument shift by one)."""
+    skip = 1 if getattr(f, "jinja_pass_arg", None) else 0
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        _tick()
+        rest = args[skip:]
+        _check_ints(rest[1:], kwargs)
+        if rest:
+            value = rest[0]
+            if name == "join":
+                value = [x for x in value]
+                sep = rest[1] if len(rest) > 1 else kwargs.get("d", "")
+                _fits(sum(_size(x) if isinstance(x, str) else 8 for x in value) + _size(sep) * len(value),
+                      "a string")
+                args = args[:skip] + (value,) + rest[1:]
+            elif name == "replace" and isinstance(value, str) and len(rest) >= 3:
+                new = str(rest[2])
+                _fits(len(value) + (value.count(str(rest[1])) + 1) * len(new), "a string")
+            elif name == "indent" and isinstance(value, str):
+                width = rest[1] if len(rest) > 1 else kwargs.get("width", 4)
+                pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+                _fits(len(value) + (value.count("\n") + 1) * pad, "a string")
+            elif name == "format" and isinstance(value, str):
+                _check_percent(value, tuple(rest[1:]))
+        return f(*args, **kwargs)
+    return run
+
+
+def _tojson(x, indent=None, ensure_ascii=False, **_):
+    if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= 16):
+        raise TemplateLimit(f"tojson indent must be an integer from 0 to 16, got {indent!r}")
+    return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+
+
 _ENV = None
 
 
 def _env() -> ImmutableSandboxedEnvironment:
     global _ENV
     if _ENV is None:
-        # templates inside model files are untrusted input: sandboxed and immutable
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+        # templates inside model files are untrusted input: sandboxed, immutable, limited in time and size
+        env = _LimitedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()}
+        env.filters["tojson"] = _tojson
+        env.filters["_loop_guard"] = _loop_guard
+        env.globals["namespace"] = _LimitedNamespace
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         _ENV = env
     return _ENV
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    return _env().from_string(template)
+
+
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-    """Render a chat template (jinja2, sandboxed). Errors become MtpllmError with the reason."""
+    """Render a chat template (jinja2, sandboxed, at most TEMPLATE_MAX_SECONDS and TEMPLATE_MAX_CHARS of
+    output). Errors become MtpllmError with the reason."""
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise MtpllmError(f"chat message must be an object with a 'role', got {m!r}")
+    if not isinstance(template, str) or len(template) > TEMPLATE_MAX_SOURCE:
+        raise MtpllmError(f"chat template must be a string of at most {TEMPLATE_MAX_SOURCE} characters")
+    _limits.deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
     try:
-        return _env().from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **extra)
+        out, n = [], 0
+        for chunk in _compiled(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **extra):
+            n += len(chunk)
+            _fits(n, "a prompt")
+            _tick()
+            out.append(chunk)
+        return "".join(out)
     except TemplateError as exc:
-        raise MtpllmError(f"chat template error: {exc}") from exc
-    except Exception as exc:  # sandbox violations, type errors in the template
-        raise MtpllmError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        raise MtpllmError(f"chat template error: {exc}") from None
+    except Exception as exc:  # sandbox violations, type errors in the template, recursion
+        raise MtpllmError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        _limits.deadline = math.inf
