@@ -118,6 +118,11 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:50] + f"... ({type(v).__name__} of {len(v)})"
 
 
+class Metadata(dict):
+    """A file's metadata: a dict that remembers which file it came from (for error messages)."""
+    source: Path | None = None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -151,7 +156,8 @@ class GGUFFile:
             raise MtpllmError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         self._file = open(self.path, "rb")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else b""
-        self.metadata: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = Metadata()
+        self.metadata.source = self.path
         self.tensors: dict[str, TensorInfo] = {}
         cur = _Cursor(self._mm)
         key = "<header>"

@@ -204,7 +204,12 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     ARCHITECTURES[arch].adjust_config(g, cfg)
     if not rope_dim:
         rope.dim = cfg["head_dim"]
-    out = ModelConfig(**cfg)
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise MtpllmError(f"{g.path}: tensor 'token_embd.weight' has {vocab} rows, expected 1 to {MAX_VOCAB}")
+    try:
+        out = ModelConfig(**cfg)
+    except MtpllmError as exc:
+        raise MtpllmError(f"{g.path}: {exc}") from None
     check_tensors(g, out)
     return out
 
@@ -217,8 +222,6 @@ def check_tensors(g, cfg: ModelConfig) -> None:
     """Every tensor the model reads exists with the shape the config implies and a supported type;
     the tokenizer's vocabulary fits the embedding. Metadata only: nothing is read or allocated."""
     D, H, KV, hd, F, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    if not 1 <= V <= MAX_VOCAB:
-        raise MtpllmError(f"{g.path}: tensor 'token_embd.weight' has {V} rows, expected 1 to {MAX_VOCAB}")
     if cfg.rope.dim % 2 or not 2 <= cfg.rope.dim <= hd:
         raise MtpllmError(f"{g.path}: metadata '{cfg.arch}.rope.dimension_count' = {cfg.rope.dim}: expected an "
                           f"even number from 2 to the head dimension {hd}")
