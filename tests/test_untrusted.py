@@ -327,7 +327,7 @@ def test_merge_outside_the_vocabulary(tmp_path):
     ({"tokenizer.ggml.eos_token_id": 10**6}, ["eos_token_id", "token id from 0 to"]),
     ({"tokenizer.ggml.bos_token_id": -1}, ["bos_token_id"]),
     ({"tokenizer.ggml.token_type": [1, 2, 3]}, ["token_type", "has 3 entries"]),
-    ({"tokenizer.ggml.merges": ["nospace"]}, ["merges", "two tokens separated by a space"]),
+    ({"tokenizer.ggml.merges": ["Ġ t", "nospace"]}, ["merges", "entry 1 is 'nospace'", "separated by a space"]),
     ({"tokenizer.ggml.pre": 5}, ["tokenizer.ggml.pre", "must be a string"]),
     ({"tokenizer.chat_template": 5}, ["tokenizer.chat_template", "must be a string"]),
 ])
@@ -521,7 +521,7 @@ def test_mutation_fuzzing(tmp_path):
     A failure prints its case number, which `scripts/fuzz_models.py --seed S --start I --cases 1` replays;
     MTPLLM_FUZZ_SEED / MTPLLM_FUZZ_CASES explore further."""
     seed = int(os.environ.get("MTPLLM_FUZZ_SEED", 1))
-    n = int(os.environ.get("MTPLLM_FUZZ_CASES", 2400))
+    n = int(os.environ.get("MTPLLM_FUZZ_CASES", 3000))
     res = fuzz.campaign(n, seed=seed, workdir=tmp_path, case_s=5.0, mem_mib=1024)
     assert res["crash"] == 0 and res["hang"] == 0, json.dumps({"seed": seed, "bad": res["bad"][:5]}, indent=1)
     assert res["load"] + res["error"] == n

@@ -75,9 +75,9 @@ def _check_list(where: str, meta: dict, key: str, n: int | None, kinds: tuple) -
         raise _bad(where, key, f"must be an array, got {type(v).__name__}")
     if n is not None and len(v) != n:
         raise _bad(where, key, f"has {len(v)} entries, expected one per token ({n})")
-    for i, x in enumerate(v):
-        if isinstance(x, bool) and bool not in kinds or not isinstance(x, kinds):
-            raise _bad(where, key, f"entry {i} is {x!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+    if not set(map(type, v)) <= set(kinds):  # one pass in C: vocabularies have 150k+ entries
+        i, x = next((i, x) for i, x in enumerate(v) if type(x) not in kinds)
+        raise _bad(where, key, f"entry {i} is {x!r}, expected {' or '.join(k.__name__ for k in kinds)}")
     return v
 
 
@@ -90,25 +90,31 @@ def check_metadata(meta: dict, where: str = "model file") -> None:
     n = len(tokens or [])
     _check_list(where, meta, "tokenizer.ggml.token_type", n, (int,))
     _check_list(where, meta, "tokenizer.ggml.scores", n, (int, float))
-    merges = _check_list(where, meta, "tokenizer.ggml.merges", None, (str,))
-    for i, m in enumerate(merges or []):
-        a, sep, b = m.partition(" ")
-        if not a or not b:
-            raise _bad(where, "tokenizer.ggml.merges", f"entry {i} is {m[:40]!r}, expected two tokens separated "
-                                                       f"by a space")
+    _check_list(where, meta, "tokenizer.ggml.merges", None, (str,))
     for key in _ID_KEYS:
         v = meta.get("tokenizer.ggml." + key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
             raise _bad(where, "tokenizer.ggml." + key, f"is {v!r}, expected a token id from 0 to {n - 1}")
 
 
-def _check_merges(where: str, merges: list[tuple[str, str]], vocab: dict[str, int]) -> None:
-    """`tokenizers` needs both parts of a merge and their concatenation in the vocabulary."""
-    for i, (a, b) in enumerate(merges):
-        for piece in (a, b, a + b):
-            if piece not in vocab:
-                raise _bad(where, "tokenizer.ggml.merges", f"entry {i} ({a!r} + {b!r}) uses {piece!r}, which is "
-                                                           f"not a token of the vocabulary")
+def _bpe(where: str, vocab: dict[str, int], merges: list, **kw) -> Tokenizer:
+    """The BPE model from the file's merges ("a b" strings) or recovered (a, b) pairs. When `tokenizers`
+    refuses them, which merge and why (it needs both parts of a merge and their concatenation in the
+    vocabulary): checked only then, so the usual path stays fast."""
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else m for m in merges]
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=pairs, **kw))
+    except Exception:
+        for i, (m, pair) in enumerate(zip(merges, pairs)):
+            if len(pair) != 2 or not pair[0] or not pair[1]:
+                raise _bad(where, "tokenizer.ggml.merges", f"entry {i} is {m[:40]!r}, expected two tokens "
+                                                           f"separated by a space") from None
+            for piece in (pair[0], pair[1], pair[0] + pair[1]):
+                if piece not in vocab:
+                    raise _bad(where, "tokenizer.ggml.merges", f"entry {i} ({pair[0]!r} + {pair[1]!r}) uses "
+                                                               f"{piece!r}, which is not a token of the "
+                                                               f"vocabulary") from None
+        raise
 
 
 def _merges_from_vocab(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
@@ -191,9 +197,7 @@ class GGUFTokenizer:
         for i, t in enumerate(tokens):
             key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
             vocab.setdefault(key, i)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        _check_merges(where, merges, vocab)
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tk = _bpe(where, vocab, meta.get("tokenizer.ggml.merges") or [], fuse_unk=False, byte_fallback=False)
         split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", "default"), _GPT2_SPLIT)
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -212,8 +216,7 @@ class GGUFTokenizer:
             vocab.setdefault(t, i)
         long = next((i for i, t in enumerate(tokens) if len(t) > MAX_TOKEN_CHARS), None)
         if meta.get("tokenizer.ggml.merges"):
-            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-            _check_merges(where, merges, vocab)
+            merges = meta["tokenizer.ggml.merges"]
         elif long is not None:
             raise _bad(where, "tokenizer.ggml.tokens", f"entry {long} is {len(tokens[long])} characters long; "
                                                        f"at most {MAX_TOKEN_CHARS} are supported")
@@ -224,7 +227,7 @@ class GGUFTokenizer:
             merges = _merges_from_vocab(tokens, dict(zip(tokens, scores)))
         unk_id = meta.get("tokenizer.ggml.unknown_token_id")
         unk = tokens[unk_id] if unk_id is not None else None
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        tk = _bpe(where, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
         if add_prefix:
             tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
