@@ -529,3 +529,15 @@ def test_mutation_fuzzing(tmp_path):
     # tiny files of at most ~1.3 MB: growth of hundreds of MB would mean a header value sized an allocation
     # (the issue's flipped block count took 15 GB)
     assert res["peak_rss_growth_mib"] < 256, res["peak_rss_growth_mib"]
+
+
+def test_inspect_shows_damaged_values(tmp_path, capsys):
+    """`inspect` reads values the loaders refuse: shown as they are, never a traceback."""
+    src = make_tiny_head(tmp_path / "h.gguf", "qwen2", n_layers=1)
+    g = GGUFFile(src)
+    meta = {k: v for k, v in g.metadata.items() if k != "general.architecture"}
+    meta.update({"qwen2.nextn_predict_layers": "one", "mtpllm.train.history": 3, "mtpllm.draft_vocab": 7})
+    p = write_gguf(tmp_path / "hd.gguf", "qwen2", meta, {n: (g.raw(n), t.qtype) for n, t in g.tensors.items()})
+    assert cli.main(["inspect", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "nextn_predict_layers is 0" in out and "mtpllm.train.history = 3" in out
