@@ -541,3 +541,13 @@ def test_inspect_shows_damaged_values(tmp_path, capsys):
     assert cli.main(["inspect", str(p)]) == 0
     out = capsys.readouterr().out
     assert "nextn_predict_layers is 0" in out and "mtpllm.train.history = 3" in out
+
+
+def test_head_trunk_hash_of_the_wrong_type(tmp_path, tiny1):
+    from mtpllm.speculative.mtp import HEAD_SHA_KEY, check_head_trunk
+    src = make_tiny_head(tmp_path / "h.gguf", "qwen2", n_layers=1)
+    g = GGUFFile(src)
+    meta = {k: v for k, v in g.metadata.items() if k != "general.architecture"} | {HEAD_SHA_KEY: 12345}
+    p = write_gguf(tmp_path / "hs.gguf", "qwen2", meta, {n: (g.raw(n), t.qtype) for n, t in g.tensors.items()})
+    with pytest.raises(MtpllmError, match="must be a SHA-256 string"):
+        check_head_trunk(GGUFFile(p), tiny1)

@@ -129,6 +129,8 @@ def check_head_trunk(g: GGUFFile, trunk_path: Path) -> None:
     want = g.get(HEAD_SHA_KEY)
     if not want:
         return
+    if not isinstance(want, str):
+        raise MtpllmError(f"{g.path}: metadata '{HEAD_SHA_KEY}' must be a SHA-256 string, got {type(want).__name__}")
     from ..registry import sha256_cached
     have = sha256_cached(trunk_path)
     if have != want:
