@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gguf import GGMLQuantizationType
+
 from ..errors import MtpllmError
 from ..gguf.quants import SUPPORTED_TYPES
 from ..gguf.reader import GGUFFile
@@ -25,6 +27,10 @@ MAX_VOCAB = 1 << 24
 MAX_ROPE_BASE = 1e12
 MAX_ROPE_FACTOR = 1024.0
 _REQUIRED = object()
+# storage types the dequantizer reads but the matrix code paths do not (no model file stores its
+# matrices so): refused for 2-D tensors
+MATRIX_UNSUPPORTED = frozenset({GGMLQuantizationType.F64, GGMLQuantizationType.I8, GGMLQuantizationType.I16,
+                                GGMLQuantizationType.I32, GGMLQuantizationType.I64})
 
 
 def _bad(g, key: str, v: Any, expected: str) -> MtpllmError:
@@ -247,8 +253,9 @@ def check_tensors(g, cfg: ModelConfig) -> None:
         if tuple(t.shape) != shape:
             raise MtpllmError(f"{g.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(shape)} "
                               f"(width {D}, {H} heads of {hd}, {KV} kv heads, FFN {F}, vocabulary {V})")
-        if t.qtype not in SUPPORTED_TYPES:
-            raise MtpllmError(f"{g.path}: tensor '{name}' has type {t.qtype.name}, which is not supported")
+        if t.qtype not in SUPPORTED_TYPES or (len(shape) == 2 and t.qtype in MATRIX_UNSUPPORTED):
+            raise MtpllmError(f"{g.path}: tensor '{name}' has type {t.qtype.name}, which is not supported"
+                              + (" for a matrix" if t.qtype in SUPPORTED_TYPES else ""))
     tokens = g.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and len(tokens) > V:
         raise MtpllmError(f"{g.path}: metadata 'tokenizer.ggml.tokens' has {len(tokens)} tokens but the embedding "

@@ -98,6 +98,7 @@ def _shown(g, name: str) -> str:
 
 def _check_block_shapes(g, tcfg, p: str) -> None:
     """The MTP block's tensors must fit the trunk's attention layout and one consistent FFN width."""
+    from ..models.config import MATRIX_UNSUPPORTED
     D, H, KV, hd = tcfg.d_model, tcfg.n_heads, tcfg.n_kv_heads, tcfg.head_dim
     qshape = g.info(p + "attn_q.weight").shape
     if qshape == (2 * H * hd, D):
@@ -115,7 +116,7 @@ def _check_block_shapes(g, tcfg, p: str) -> None:
                 "nextn.embed_tokens.weight": (tcfg.vocab_size, D)}
     for name, shape in list(want.items()) + [(n, s) for n, s in optional.items() if p + n in g]:
         info = g.info(p + name)
-        if info.qtype not in SUPPORTED_TYPES:
+        if info.qtype not in SUPPORTED_TYPES or (len(shape) == 2 and info.qtype in MATRIX_UNSUPPORTED):
             raise MtpllmError(f"{g.path}: MTP tensor '{_shown(g, p + name)}' has type {info.qtype.name}, which is "
                               f"not supported")
         have = tuple(info.shape)
