@@ -521,7 +521,7 @@ def test_mutation_fuzzing(tmp_path):
     A failure prints its case number, which `scripts/fuzz_models.py --seed S --start I --cases 1` replays;
     MTPLLM_FUZZ_SEED / MTPLLM_FUZZ_CASES explore further."""
     seed = int(os.environ.get("MTPLLM_FUZZ_SEED", 1))
-    n = int(os.environ.get("MTPLLM_FUZZ_CASES", 3000))
+    n = int(os.environ.get("MTPLLM_FUZZ_CASES", 2400))
     res = fuzz.campaign(n, seed=seed, workdir=tmp_path, case_s=5.0, mem_mib=1024)
     assert res["crash"] == 0 and res["hang"] == 0, json.dumps({"seed": seed, "bad": res["bad"][:5]}, indent=1)
     assert res["load"] + res["error"] == n
