@@ -102,10 +102,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def find_entry_by_sha(sha: str) -> RegistryEntry | None:
-    return next((e for e in REGISTRY.values() if e.sha256 == sha), None)
-
-
 def assemble(entry: RegistryEntry, dest_dir: Path | None = None) -> Path:
     """Concatenate the chunks of `entry` into the cache (once) and verify size and SHA-256."""
     dest_dir = dest_dir or cache_dir()

@@ -6,14 +6,26 @@
   recovered from the vocabulary (Gemma files store none: the token order is the merge order;
   other files: the token scores).
 Control tokens are matched whole; `add_bos`/`add_eos` are honoured.
+
+The metadata is untrusted input: types, lengths, token ids and merges are checked (each merge's
+parts and result must be tokens) before the `tokenizers` library sees them, and anything it still
+refuses becomes an MtpllmError naming the file. Chat templates run sandboxed, with a time limit and
+a limit on the size of what they write.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import math
+import re
+import threading
+import time
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from .errors import MtpllmError
@@ -30,6 +42,12 @@ PRE_TOKENIZER_SPLITS = {
 }
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+MAX_TOKEN_CHARS = 1024  # merges are recovered by splitting each token: cost grows with its length squared
+TEMPLATE_MAX_SECONDS = 2.0
+TEMPLATE_MAX_CHARS = 4 << 20  # 4M characters of rendered prompt (or of any string or list it builds)
+TEMPLATE_MAX_SOURCE = 1 << 20  # released templates are a few kilobytes
+_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "eot_token_id",
+            "eom_token_id", "sep_token_id")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -43,6 +61,60 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def _bad(where: str, key: str, what: str) -> MtpllmError:
+    return MtpllmError(f"{where}: tokenizer metadata '{key}' {what}")
+
+
+def _check_list(where: str, meta: dict, key: str, n: int | None, kinds: tuple) -> list | None:
+    v = meta.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _bad(where, key, f"must be an array, got {type(v).__name__}")
+    if n is not None and len(v) != n:
+        raise _bad(where, key, f"has {len(v)} entries, expected one per token ({n})")
+    if not set(map(type, v)) <= set(kinds):  # one pass in C: vocabularies have 150k+ entries
+        i, x = next((i, x) for i, x in enumerate(v) if type(x) not in kinds)
+        raise _bad(where, key, f"entry {i} is {x!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+    return v
+
+
+def check_metadata(meta: dict, where: str = "model file") -> None:
+    """Types, lengths and token ids of the tokenizer metadata (merges are checked when they are used)."""
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise _bad(where, key, f"must be a string, got {type(meta[key]).__name__}")
+    tokens = _check_list(where, meta, "tokenizer.ggml.tokens", None, (str,))
+    n = len(tokens or [])
+    _check_list(where, meta, "tokenizer.ggml.token_type", n, (int,))
+    _check_list(where, meta, "tokenizer.ggml.scores", n, (int, float))
+    _check_list(where, meta, "tokenizer.ggml.merges", None, (str,))
+    for key in _ID_KEYS:
+        v = meta.get("tokenizer.ggml." + key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
+            raise _bad(where, "tokenizer.ggml." + key, f"is {v!r}, expected a token id from 0 to {n - 1}")
+
+
+def _bpe(where: str, vocab: dict[str, int], merges: list, **kw) -> Tokenizer:
+    """The BPE model from the file's merges ("a b" strings) or recovered (a, b) pairs. When `tokenizers`
+    refuses them, which merge and why (it needs both parts of a merge and their concatenation in the
+    vocabulary): checked only then, so the usual path stays fast."""
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else m for m in merges]
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=pairs, **kw))
+    except Exception:
+        for i, (m, pair) in enumerate(zip(merges, pairs)):
+            if len(pair) != 2 or not pair[0] or not pair[1]:
+                raise _bad(where, "tokenizer.ggml.merges", f"entry {i} is {m[:40]!r}, expected two tokens "
+                                                           f"separated by a space") from None
+            for piece in (pair[0], pair[1], pair[0] + pair[1]):
+                if piece not in vocab:
+                    raise _bad(where, "tokenizer.ggml.merges", f"entry {i} ({pair[0]!r} + {pair[1]!r}) uses "
+                                                               f"{piece!r}, which is not a token of the "
+                                                               f"vocabulary") from None
+        raise
 
 
 def _merges_from_vocab(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
@@ -63,20 +135,31 @@ def _merges_from_vocab(tokens: list[str], rank: dict[str, float]) -> list[tuple[
 class GGUFTokenizer:
     """Encode/decode text exactly as the model was trained; built from a GGUF file's metadata."""
 
-    def __init__(self, meta: dict, arch: str = ""):
+    def __init__(self, meta: dict, arch: str = "", source: str | None = None):
+        where = str(source or getattr(meta, "source", None) or "model file")
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not kind or not tokens:
-            raise MtpllmError("GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+            raise MtpllmError(f"{where}: no tokenizer in this file (tokenizer.ggml.model / tokenizer.ggml.tokens "
+                              f"missing)")
+        check_metadata(meta, where)
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         self.vocab_size = len(tokens)
         self.tokens = tokens
-        if kind == "gpt2":
-            tk = self._byte_level(meta, tokens)
-        elif kind == "llama":
-            tk = self._sentencepiece(meta, tokens, arch)
-        else:
-            raise MtpllmError(f"tokenizer type '{kind}' is not supported (supported: gpt2, llama)")
+        try:
+            if kind == "gpt2":
+                tk = self._byte_level(meta, tokens, where)
+            elif kind == "llama":
+                tk = self._sentencepiece(meta, tokens, arch, where)
+            else:
+                raise MtpllmError(f"{where}: tokenizer type '{kind}' is not supported (supported: gpt2, llama)")
+            self._finish(tk, meta, tokens, types)
+        except MtpllmError:
+            raise
+        except Exception as exc:  # the tokenizers library refused the vocabulary: the file is at fault
+            raise MtpllmError(f"{where}: the tokenizer data is invalid ({type(exc).__name__}: {exc})") from None
+
+    def _finish(self, tk: Tokenizer, meta: dict, tokens: list[str], types: list[int]) -> None:
         # control tokens are matched whole (special), user-defined ones whole but not special;
         # only tokens that exist in the model vocabulary under their own id (never grow the vocab)
         specials = [AddedToken(t, normalized=False, special=True)
@@ -92,7 +175,7 @@ class GGUFTokenizer:
         self.special_ids = {i for i, ty in enumerate(types) if ty == TOKEN_TYPE_CONTROL}
         self.bos_id = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        default_bos = kind == "llama"
+        default_bos = meta.get("tokenizer.ggml.model") == "llama"
         self.add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
         self.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
         self.eos_ids = {self.eos_id} if self.eos_id is not None else set()
@@ -107,15 +190,14 @@ class GGUFTokenizer:
 
     # ---- construction ------------------------------------------------------------------
     @staticmethod
-    def _byte_level(meta: dict, tokens: list[str]) -> Tokenizer:
+    def _byte_level(meta: dict, tokens: list[str], where: str) -> Tokenizer:
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
         vocab = {}
         for i, t in enumerate(tokens):
             key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
             vocab.setdefault(key, i)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tk = _bpe(where, vocab, meta.get("tokenizer.ggml.merges") or [], fuse_unk=False, byte_fallback=False)
         split = PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", "default"), _GPT2_SPLIT)
         tk.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -125,15 +207,19 @@ class GGUFTokenizer:
         return tk
 
     @staticmethod
-    def _sentencepiece(meta: dict, tokens: list[str], arch: str) -> Tokenizer:
+    def _sentencepiece(meta: dict, tokens: list[str], arch: str, where: str) -> Tokenizer:
         gemma = arch.startswith("gemma")
         if gemma:  # Gemma stores runs of spaces as real spaces; the model sees them as '▁'
             tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
+        long = next((i for i, t in enumerate(tokens) if len(t) > MAX_TOKEN_CHARS), None)
         if meta.get("tokenizer.ggml.merges"):
-            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+            merges = meta["tokenizer.ggml.merges"]
+        elif long is not None:
+            raise _bad(where, "tokenizer.ggml.tokens", f"entry {long} is {len(tokens[long])} characters long; "
+                                                       f"at most {MAX_TOKEN_CHARS} are supported")
         elif gemma:  # Gemma's scores do not follow its merge order; the token order does
             merges = _merges_from_vocab(tokens, {t: -i for i, t in enumerate(tokens)})
         else:
@@ -141,7 +227,7 @@ class GGUFTokenizer:
             merges = _merges_from_vocab(tokens, dict(zip(tokens, scores)))
         unk_id = meta.get("tokenizer.ggml.unknown_token_id")
         unk = tokens[unk_id] if unk_id is not None else None
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        tk = _bpe(where, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
         if add_prefix:
             tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
@@ -171,9 +257,6 @@ class GGUFTokenizer:
     def token_to_id(self, s: str) -> int | None:
         return self._tk.token_to_id(s)
 
-    def id_to_piece(self, i: int) -> str:
-        return self.tokens[i]
-
     # ---- chat ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             template: str | None = None, **extra) -> str:
@@ -191,31 +274,214 @@ def _raise_exception(msg):
     raise TemplateError(msg)
 
 
+class TemplateLimit(TemplateError):
+    """A chat template ran past its time or output-size limit."""
+
+
+_limits = threading.local()  # deadline of the render running in this thread
+_FORMAT_SPEC = re.compile(r"\{[^{}]*:([^{}]*)\}")
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+def _tick() -> None:
+    if time.monotonic() > getattr(_limits, "deadline", math.inf):
+        raise TemplateLimit(f"the chat template ran longer than {TEMPLATE_MAX_SECONDS:g} s")
+
+
+def _fits(n: int, what: str) -> None:
+    if n > TEMPLATE_MAX_CHARS:
+        raise TemplateLimit(f"the chat template would build {what} of {n} items, more than the limit of "
+                            f"{TEMPLATE_MAX_CHARS}")
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+
+
+def _check_ints(args, kwargs) -> None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS:
+            raise TemplateLimit(f"the chat template passes the number {a} to a function (at most "
+                                f"{TEMPLATE_MAX_CHARS})")
+
+
+def _check_percent(fmt: str, right) -> None:
+    for width, prec in _PERCENT_SPEC.findall(fmt):
+        for w in (width, prec):
+            if w == "*" or (w and int(w) > TEMPLATE_MAX_CHARS):
+                raise TemplateLimit(f"the chat template formats with a width or precision {w!r} (at most "
+                                    f"{TEMPLATE_MAX_CHARS})")
+    _check_ints(right if isinstance(right, tuple) else (right,), {})
+
+
+class _LimitedCodeGenerator(CodeGenerator):
+    def visit_Concat(self, node, frame) -> None:  # `a ~ b`: sized before it is built
+        self.write("environment.limited_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _LimitedNamespace(Namespace):
+    def __setitem__(self, name, value) -> None:
+        _tick()
+        _fits(_size(value), "a namespace value")
+        super().__setitem__(name, value)
+
+
+class _LimitedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a deadline checked at every loop step, call, attribute lookup and operator, and
+    sizes checked before a string or list is built (`*`, `+`, `~`, `%`, join, replace, padding)."""
+    code_generator_class = _LimitedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for node in tree.find_all(nodes.For):  # every loop steps through the deadline check
+            node.iter = nodes.Filter(node.iter, "_loop_guard", [], [], None, None, lineno=node.lineno)
+        return tree
+
+    def limited_concat(self, parts) -> str:
+        _tick()
+        parts = [str(p) for p in parts]
+        _fits(sum(map(len, parts)), "a string")
+        return "".join(parts)
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(n, int) and _size(seq):
+                    _fits(_size(seq) * n, "a string or list")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            if right * left.bit_length() > 4096:
+                raise TemplateLimit(f"the chat template computes {left} ** {right}, a number too large")
+        elif operator == "+":
+            _fits(_size(left) + _size(right), "a string or list")
+        elif operator == "%" and isinstance(left, str):
+            _check_percent(left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _tick()
+        _check_ints(args, kwargs)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and args:
+            name = getattr(__obj, "__name__", "")
+            if name == "join":
+                items = [str(x) for x in args[0]]
+                _fits(sum(map(len, items)) + len(owner) * len(items), "a string")
+                args = (items,) + args[1:]
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                _fits(len(owner) + (owner.count(args[0]) + 1) * len(args[1]), "a string")
+            elif name == "expandtabs" and isinstance(args[0], int):
+                _fits(len(owner) + owner.count("\t") * args[0], "a string")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def wrap_str_format(self, value):
+        fmt = getattr(value, "__self__", None)
+        if isinstance(fmt, str):
+            for spec in _FORMAT_SPEC.findall(fmt):
+                if any(int(d) > TEMPLATE_MAX_CHARS for d in re.findall(r"\d+", spec)):
+                    raise TemplateLimit(f"the chat template formats with the spec {spec[:40]!r}: too wide")
+        return super().wrap_str_format(value)
+
+
+def _loop_guard(items):
+    for x in items:
+        _tick()
+        yield x
+
+
+def _limited_filter(name: str, f):
+    """A built-in filter with its sizes checked first (arguments after a context argument shift by one)."""
+    skip = 1 if getattr(f, "jinja_pass_arg", None) else 0
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        _tick()
+        rest = args[skip:]
+        _check_ints(rest[1:], kwargs)
+        if rest:
+            value = rest[0]
+            if name == "join":
+                value = [x for x in value]
+                sep = rest[1] if len(rest) > 1 else kwargs.get("d", "")
+                _fits(sum(_size(x) if isinstance(x, str) else 8 for x in value) + _size(sep) * len(value),
+                      "a string")
+                args = args[:skip] + (value,) + rest[1:]
+            elif name == "replace" and isinstance(value, str) and len(rest) >= 3:
+                new = str(rest[2])
+                _fits(len(value) + (value.count(str(rest[1])) + 1) * len(new), "a string")
+            elif name == "indent" and isinstance(value, str):
+                width = rest[1] if len(rest) > 1 else kwargs.get("width", 4)
+                pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+                _fits(len(value) + (value.count("\n") + 1) * pad, "a string")
+            elif name == "format" and isinstance(value, str):
+                _check_percent(value, tuple(rest[1:]))
+        return f(*args, **kwargs)
+    return run
+
+
+def _tojson(x, indent=None, ensure_ascii=False, **_):
+    if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= 16):
+        raise TemplateLimit(f"tojson indent must be an integer from 0 to 16, got {indent!r}")
+    return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+
+
 _ENV = None
 
 
 def _env() -> ImmutableSandboxedEnvironment:
     global _ENV
     if _ENV is None:
-        # templates inside model files are untrusted input: sandboxed and immutable
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+        # templates inside model files are untrusted input: sandboxed, immutable, limited in time and size
+        env = _LimitedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters = {name: _limited_filter(name, f) for name, f in env.filters.items()}
+        env.filters["tojson"] = _tojson
+        env.filters["_loop_guard"] = _loop_guard
+        env.globals["namespace"] = _LimitedNamespace
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         _ENV = env
     return _ENV
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    return _env().from_string(template)
+
+
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-    """Render a chat template (jinja2, sandboxed). Errors become MtpllmError with the reason."""
+    """Render a chat template (jinja2, sandboxed, at most TEMPLATE_MAX_SECONDS and TEMPLATE_MAX_CHARS of
+    output). Errors become MtpllmError with the reason."""
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise MtpllmError(f"chat message must be an object with a 'role', got {m!r}")
+    if not isinstance(template, str) or len(template) > TEMPLATE_MAX_SOURCE:
+        raise MtpllmError(f"chat template must be a string of at most {TEMPLATE_MAX_SOURCE} characters")
+    _limits.deadline = time.monotonic() + TEMPLATE_MAX_SECONDS
     try:
-        return _env().from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   **extra)
+        out, n = [], 0
+        for chunk in _compiled(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **extra):
+            n += len(chunk)
+            _fits(n, "a prompt")
+            _tick()
+            out.append(chunk)
+        return "".join(out)
     except TemplateError as exc:
-        raise MtpllmError(f"chat template error: {exc}") from exc
-    except Exception as exc:  # sandbox violations, type errors in the template
-        raise MtpllmError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        raise MtpllmError(f"chat template error: {exc}") from None
+    except Exception as exc:  # sandbox violations, type errors in the template, recursion
+        raise MtpllmError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        _limits.deadline = math.inf

@@ -5,9 +5,15 @@ takes ~17 s on a 150k-token vocabulary; this parser takes well under a second). 
 dequantization come from the `gguf` library. Every structural problem (not a GGUF file,
 truncated header, tensor data past the end of the file, unsupported type, missing key) is
 reported as an MtpllmError naming the file and the tensor or key.
+
+The file is untrusted input: every count and length in the header is checked against the bytes
+left in the file before anything is allocated or looped over, so reading a header costs time and
+memory in proportion to the header's size (at most ~20x its bytes, for arrays of 16-bit values
+held as Python ints), whatever numbers it holds.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -39,8 +45,22 @@ _NP = {
 }
 
 
+# smallest encoded size of one array element / one metadata entry / one tensor header entry
+_MIN_SIZE = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}
+_MIN_KV = 8 + 4 + 1  # empty key, value type, a one-byte value
+_MIN_TENSOR = 8 + 4 + 4 + 8  # empty name, n_dims = 0, type, offset
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 2  # an array of arrays at most (GGUF files use plain arrays)
+MAX_ALIGNMENT = 1 << 30
+MAX_ELEMENTS = 1 << 48  # elements of one tensor: far beyond any file, far below int64 overflow
+
+
 class _Truncated(Exception):
     pass
+
+
+class _Bad(Exception):
+    """A count or length that the rest of the file cannot hold."""
 
 
 class _Cursor:
@@ -61,25 +81,46 @@ class _Cursor:
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
+    @property
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
     def string(self) -> str:
         n = self.unpack("<Q")
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         vtype = GGUFValueType(vtype)
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
             etype = GGUFValueType(self.unpack("<I"))
             n = self.unpack("<Q")
+            size = _MIN_SIZE.get(etype) or np.dtype(_NP[etype]).itemsize
+            if n * size > self.left:
+                raise _Bad(f"an array of {n} {etype.name} values needs at least {n * size} bytes, "
+                           f"only {self.left} are left in the file")
             if etype == GGUFValueType.STRING:
                 return [self.string() for _ in range(n)]
             if etype == GGUFValueType.ARRAY:
-                return [self.value(GGUFValueType.ARRAY) for _ in range(n)]
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise _Bad(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
+                return [self.value(GGUFValueType.ARRAY, depth + 1) for _ in range(n)]
             dt = np.dtype(_NP[etype]).newbyteorder("<")
             arr = np.frombuffer(self.take(n * dt.itemsize), dtype=dt)
             return arr.tolist()
         return self.unpack(_SCALAR[vtype])
+
+
+def _short(v: Any) -> str:
+    """A metadata value for an error message (a long array or string is cut)."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:50] + f"... ({type(v).__name__} of {len(v)})"
+
+
+class Metadata(dict):
+    """A file's metadata: a dict that remembers which file it came from (for error messages)."""
+    source: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +156,8 @@ class GGUFFile:
             raise MtpllmError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         self._file = open(self.path, "rb")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else b""
-        self.metadata: dict[str, Any] = {}
-        self._types: dict[str, GGUFValueType] = {}
+        self.metadata: dict[str, Any] = Metadata()
+        self.metadata.source = self.path
         self.tensors: dict[str, TensorInfo] = {}
         cur = _Cursor(self._mm)
         key = "<header>"
@@ -127,26 +168,38 @@ class GGUFFile:
                 raise MtpllmError(f"{self.path}: unsupported GGUF version {self.version} (supported: 2, 3)")
             n_tensors = cur.unpack("<Q")
             n_kv = cur.unpack("<Q")
+            if n_kv * _MIN_KV > cur.left:
+                raise _Bad(f"the header claims {n_kv} metadata entries, the file has room for at most "
+                           f"{cur.left // _MIN_KV}")
+            if n_tensors * _MIN_TENSOR > cur.left:
+                raise _Bad(f"the header claims {n_tensors} tensors, the file has room for at most "
+                           f"{cur.left // _MIN_TENSOR}")
             for _ in range(n_kv):
                 key = "<key name>"
                 key = cur.string()
                 vtype = cur.unpack("<I")
                 try:
-                    self._types[key] = GGUFValueType(vtype)
+                    GGUFValueType(vtype)
                 except ValueError:
                     raise MtpllmError(f"{self.path}: metadata key '{key}' has unknown value type {vtype}") from None
+                if key in self.metadata:
+                    raise _Bad("the key appears twice")
                 self.metadata[key] = cur.value(vtype)
-            self.alignment = int(self.metadata.get("general.alignment", 32))
-            if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-                raise MtpllmError(f"{self.path}: general.alignment={self.alignment} is not a power of two")
+            key = "general.alignment"
+            self.alignment = self.metadata.get(key, 32)
+            if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) \
+                    or not 0 < self.alignment <= MAX_ALIGNMENT or self.alignment & (self.alignment - 1):
+                raise MtpllmError(f"{self.path}: metadata 'general.alignment' = {_short(self.alignment)}: expected "
+                                  f"a power of two up to {MAX_ALIGNMENT}")
             pending = []
             for i in range(n_tensors):
                 key = f"<tensor #{i} header>"
                 name = cur.string()
                 key = f"tensor '{name}' header"
                 n_dims = cur.unpack("<I")
-                if n_dims > 8:
-                    raise MtpllmError(f"{self.path}: tensor '{name}' claims {n_dims} dimensions")
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise MtpllmError(f"{self.path}: tensor '{name}' claims {n_dims} dimensions "
+                                      f"(expected 1 to {MAX_DIMS})")
                 dims = [cur.unpack("<Q") for _ in range(n_dims)]
                 tid = cur.unpack("<I")
                 off = cur.unpack("<Q")
@@ -154,6 +207,8 @@ class GGUFFile:
         except _Truncated as exc:
             raise MtpllmError(f"{self.path}: truncated or damaged GGUF header while reading {key} "
                               f"(at byte {exc.args[0]} of {self.file_size})") from None
+        except _Bad as exc:
+            raise MtpllmError(f"{self.path}: truncated or damaged GGUF header at {key}: {exc}") from None
         except (UnicodeDecodeError, ValueError, OverflowError, struct.error, KeyError) as exc:
             raise MtpllmError(f"{self.path}: damaged GGUF header while reading {key} ({exc})") from None
         pad = (-cur.pos) % self.alignment
@@ -163,9 +218,14 @@ class GGUFFile:
                 qtype = GGMLQuantizationType(tid)
             except ValueError:
                 raise MtpllmError(f"{self.path}: tensor '{name}' has unknown type id {tid}") from None
+            if name in self.tensors:
+                raise MtpllmError(f"{self.path}: tensor '{name}' appears twice in the header")
             shape = tuple(int(x) for x in reversed(dims))  # GGUF stores innermost first
+            n = math.prod(shape)
+            if n > MAX_ELEMENTS:
+                raise MtpllmError(f"{self.path}: tensor '{name}' shape {list(shape)} has {n} elements, more than "
+                                  f"any file can hold")
             block, type_size = GGML_QUANT_SIZES.get(qtype, (1, 0))
-            n = int(np.prod(shape)) if shape else 1
             info = TensorInfo(name, qtype, shape, n // block * type_size, self.data_offset + off)
             self._check_tensor(info)
             self.tensors[name] = info
@@ -175,7 +235,6 @@ class GGUFFile:
         if info.qtype not in GGML_QUANT_SIZES:
             raise MtpllmError(f"{self.path}: tensor '{info.name}' has unknown type id {int(info.qtype)}")
         block, type_size = GGML_QUANT_SIZES[info.qtype]
-        n = int(np.prod(info.shape)) if info.shape else 1
         if info.shape and info.shape[-1] % block:
             raise MtpllmError(f"{self.path}: tensor '{info.name}' row length {info.shape[-1]} is not a multiple "
                               f"of the {info.qtype.name} block size {block}")
@@ -200,9 +259,6 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def field_type(self, key: str) -> GGUFValueType | None:
-        return self._types.get(key)
-
     # ---- tensors ----------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -217,10 +273,10 @@ class GGUFFile:
         info = self.info(name)
         qt = info.qtype
         if qt in _PLAIN:
-            return np.frombuffer(self._mm, dtype=_PLAIN[qt], count=int(np.prod(info.shape)) if info.shape else 1,
+            return np.frombuffer(self._mm, dtype=_PLAIN[qt], count=math.prod(info.shape),
                                  offset=info.offset).reshape(info.shape)
         block, type_size = GGML_QUANT_SIZES[qt]
-        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        rows = math.prod(info.shape[:-1])
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.n_bytes, offset=info.offset).reshape(
             rows, info.shape[-1] // block * type_size)
 

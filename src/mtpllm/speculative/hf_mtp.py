@@ -21,6 +21,11 @@ plain `RMSNorm` computes the same thing; a Gemma `model_type` in `config.json` i
 GGUF's llama architecture stores q/k rows permuted for adjacent-pair rotary (llama.cpp's converter);
 Hugging Face stores them for rotate-half. For a trunk with that rotary style the same permutation is
 applied here; qwen2/qwen3/gemma3 are not permuted.
+
+The files are untrusted input: the `safetensors` library checks each header (its size, offsets,
+dtypes, shapes against the file); here an index may only name shard files inside its own directory,
+JSON files are read only up to a size limit and the values taken from `config.json` are type- and
+range-checked.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ from ..gguf.reader import TensorInfo
 
 INDEX_NAME = "model.safetensors.index.json"
 QWEN_MARK = "mtp.fc.weight"
-DEEPSEEK_MARK = re.compile(r"^(.*?)layers\.(\d+)\.eh_proj\.weight$")
+DEEPSEEK_MARK = re.compile(r"^(.*?)layers\.(\d{1,6})\.eh_proj\.weight$")
+MAX_JSON_BYTES = 64 << 20  # config.json / index: real ones are kilobytes to a few megabytes
 ZERO_CENTRED_TYPES = ("qwen3_next", "qwen3_5", "gemma")  # config.json model_type prefixes with x̂·(1+w) norms
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -82,6 +88,19 @@ def is_safetensors_source(path: Path) -> bool:
     return len(head) == 9 and head[:4] != b"GGUF" and head[8:9] == b"{"
 
 
+def _read_json(f: Path):
+    """A JSON file of at most MAX_JSON_BYTES."""
+    try:
+        size = f.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise MtpllmError(f"{f}: {size} bytes is too large for a JSON configuration file "
+                              f"(at most {MAX_JSON_BYTES})")
+        with open(f, "rb") as fh:
+            return json.loads(fh.read(MAX_JSON_BYTES + 1))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise MtpllmError(f"{f}: invalid JSON ({type(exc).__name__}: {exc})") from None
+
+
 def permute_for_adjacent_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Rows of a q or k projection (or bias) from rotate-half to adjacent-pair order, as llama.cpp's converter."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -123,7 +142,10 @@ class HFMTPFile:
                 shape = tuple(self._handle(hf).get_slice(hf).get_shape())
                 n = int(np.prod(shape)) if shape else 1
                 self.tensors[gg] = TensorInfo(gg, QT.F32, shape, 4 * n, 0)
-        eh = self.tensors[p + "nextn.eh_proj.weight"]
+        eh = self.tensors.get(p + "nextn.eh_proj.weight")
+        if eh is None or len(eh.shape) != 2:
+            raise MtpllmError(f"{self.path}: MTP tensor '{self._map[p + 'nextn.eh_proj.weight']}' has shape "
+                              f"{list(eh.shape) if eh else None}, expected [hidden, 2 x hidden]")
         self.metadata = {
             "general.architecture": arch, "general.type": "mtp-head",
             f"{arch}.block_count": L + 1, f"{arch}.nextn_predict_layers": 1,
@@ -162,12 +184,21 @@ class HFMTPFile:
 
     def _read_index(self, index: Path) -> dict[str, Path]:
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            wm = _read_json(index)["weight_map"]
+        except (KeyError, TypeError) as exc:
             raise MtpllmError(f"{index}: not a safetensors index (a JSON object with \"weight_map\"): {exc}") from None
         if not isinstance(wm, dict):
             raise MtpllmError(f"{index}: \"weight_map\" must map tensor names to shard files")
-        return {k: index.parent / v for k, v in wm.items()}
+        where, home = {}, index.parent.resolve()
+        for k, v in wm.items():
+            if not isinstance(v, str) or not v or Path(v).is_absolute() or ".." in Path(v).parts:
+                raise MtpllmError(f"{index}: tensor '{k}' is mapped to {v!r}: expected the name of a shard file in "
+                                  f"the index's own directory")
+            f = index.parent / v
+            if home not in f.resolve().parents:  # a symbolic link out of the directory
+                raise MtpllmError(f"{index}: shard {v!r} of tensor '{k}' lies outside the model directory {home}")
+            where[k] = f
+        return where
 
     def _handle_for(self, f: Path):
         if f not in self._handles:
@@ -188,14 +219,18 @@ class HFMTPFile:
         f = d / "config.json"
         if not f.exists():
             return {}
-        try:
-            cfg = json.loads(f.read_text())
-        except (OSError, ValueError) as exc:
-            raise MtpllmError(f"{f}: invalid JSON ({exc})") from None
+        cfg = _read_json(f)
         if not isinstance(cfg, dict):
             raise MtpllmError(f"{f}: expected a JSON object")
         text = cfg.get("text_config")
-        return dict(cfg, **text) if isinstance(text, dict) else cfg
+        cfg = dict(cfg, **text) if isinstance(text, dict) else cfg
+        for key in ("num_hidden_layers", "vocab_size"):
+            v = cfg.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 24):
+                raise MtpllmError(f"{f}: \"{key}\" = {str(v)[:40]}: expected a non-negative integer")
+        if not isinstance(cfg.get("model_type", ""), str):
+            raise MtpllmError(f"{f}: \"model_type\" must be a string")
+        return cfg
 
     # ---- layout -----------------------------------------------------------------------
     def _find_layer(self, cfg: dict) -> tuple[str, str, dict[str, str]]:
@@ -267,7 +302,10 @@ class HFMTPFile:
         """float32 tensor under its GGUF name: norms made plain, q/k permuted where the trunk needs it."""
         self.info(name)
         hf = self._map[name]
-        t = self._handle(hf).get_tensor(hf)
+        try:
+            t = self._handle(hf).get_tensor(hf)
+        except Exception as exc:  # safetensors' own error types: a damaged or unsupported tensor
+            raise MtpllmError(f"{self.path}: tensor '{hf}' cannot be read ({type(exc).__name__}: {exc})") from None
         if t.dtype not in FLOAT_DTYPES:
             raise MtpllmError(f"{self.path}: tensor '{hf}' has type {t.dtype}; only float32/float16/bfloat16 "
                               f"checkpoints are supported (FP8 or other quantized releases are not)")

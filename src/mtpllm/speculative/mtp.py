@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MtpllmError
+from ..gguf.quants import SUPPORTED_TYPES
 from ..gguf.reader import GGUFFile
 from ..models.base import Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
@@ -36,20 +37,24 @@ def open_head_file(path: str | Path, trunk_cfg) -> "GGUFFile | HFMTPFile":
 
 def load_mtp_head(g: "GGUFFile | HFMTPFile", trunk, mode: str = "fast", layer: int | None = None) -> MTPHead:
     """Build the first MTP block found in `g` (the trunk file itself or a head-only file) for `trunk`."""
+    from ..models.config import MAX_LAYERS, MAX_VOCAB, meta_int
     tcfg = trunk.cfg
     arch = g.get("general.architecture")
-    n_nextn = int(g.get(f"{arch}.nextn_predict_layers", 0) or 0)
     if arch != tcfg.arch:
         raise MtpllmError(f"{g.path}: MTP head is for architecture '{arch}', the model is '{tcfg.arch}'")
+    n_nextn = meta_int(g, f"{arch}.nextn_predict_layers", 0, lo=0, hi=MAX_LAYERS)
     if n_nextn <= 0:
         raise MtpllmError(f"{g.path}: no MTP layers ({arch}.nextn_predict_layers is missing or 0)")
-    d = int(g.get(f"{arch}.embedding_length", 0))
+    d = meta_int(g, f"{arch}.embedding_length", 0, lo=0)
     if d != tcfg.d_model:
         raise MtpllmError(f"{g.path}: MTP head hidden size {d} does not match the model's {tcfg.d_model}")
-    head_vocab = g.get(f"{arch}.vocab_size")
-    if head_vocab is not None and int(head_vocab) != tcfg.vocab_size:
+    head_vocab = meta_int(g, f"{arch}.vocab_size", None, hi=MAX_VOCAB)
+    if head_vocab is not None and head_vocab != tcfg.vocab_size:
         raise MtpllmError(f"{g.path}: MTP head vocabulary {head_vocab} does not match the model's {tcfg.vocab_size}")
-    block_count = int(g.require(f"{arch}.block_count"))
+    block_count = meta_int(g, f"{arch}.block_count", hi=MAX_LAYERS)
+    if n_nextn > block_count:
+        raise MtpllmError(f"{g.path}: {arch}.nextn_predict_layers = {n_nextn} is more than {arch}.block_count = "
+                          f"{block_count}")
     L = block_count - n_nextn if layer is None else layer
     p = f"blk.{L}."
     if p + "nextn.eh_proj.weight" not in g:
@@ -75,11 +80,13 @@ def load_mtp_head(g: "GGUFFile | HFMTPFile", trunk, mode: str = "fast", layer: i
                    make_linear(g, [p + "nextn.eh_proj.weight"], mode=mode), block,
                    _norm(g, p + "nextn.shared_head_norm.weight", eps), lm_head, embed)
     vocab = g.get("mtpllm.draft_vocab")
-    if vocab:
-        ids = torch.tensor(vocab, dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= tcfg.vocab_size:
+    if vocab is not None:
+        if not isinstance(vocab, list) or not vocab \
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in vocab):
+            raise MtpllmError(f"{g.path}: metadata 'mtpllm.draft_vocab' must be a non-empty array of token ids")
+        if min(vocab) < 0 or max(vocab) >= tcfg.vocab_size:
             raise MtpllmError(f"{g.path}: mtpllm.draft_vocab has token ids outside the model's vocabulary")
-        head.draft_vocab = ids
+        head.draft_vocab = torch.tensor(vocab, dtype=torch.long)
     head.eval()
     return head
 
@@ -91,6 +98,7 @@ def _shown(g, name: str) -> str:
 
 def _check_block_shapes(g, tcfg, p: str) -> None:
     """The MTP block's tensors must fit the trunk's attention layout and one consistent FFN width."""
+    from ..models.config import MATRIX_UNSUPPORTED
     D, H, KV, hd = tcfg.d_model, tcfg.n_heads, tcfg.n_kv_heads, tcfg.head_dim
     qshape = g.info(p + "attn_q.weight").shape
     if qshape == (2 * H * hd, D):
@@ -107,7 +115,11 @@ def _check_block_shapes(g, tcfg, p: str) -> None:
                 "nextn.shared_head_head.weight": (tcfg.vocab_size, D),
                 "nextn.embed_tokens.weight": (tcfg.vocab_size, D)}
     for name, shape in list(want.items()) + [(n, s) for n, s in optional.items() if p + n in g]:
-        have = tuple(g.info(p + name).shape)
+        info = g.info(p + name)
+        if info.qtype not in SUPPORTED_TYPES or (len(shape) == 2 and info.qtype in MATRIX_UNSUPPORTED):
+            raise MtpllmError(f"{g.path}: MTP tensor '{_shown(g, p + name)}' has type {info.qtype.name}, which is "
+                              f"not supported")
+        have = tuple(info.shape)
         if have != shape:
             raise MtpllmError(f"{g.path}: MTP tensor '{_shown(g, p + name)}' has shape {list(have)}, "
                               f"expected {list(shape)} for this model (hidden {D}, {H} heads, {KV} kv heads, head dim {hd})")
@@ -118,6 +130,8 @@ def check_head_trunk(g: GGUFFile, trunk_path: Path) -> None:
     want = g.get(HEAD_SHA_KEY)
     if not want:
         return
+    if not isinstance(want, str):
+        raise MtpllmError(f"{g.path}: metadata '{HEAD_SHA_KEY}' must be a SHA-256 string, got {type(want).__name__}")
     from ..registry import sha256_cached
     have = sha256_cached(trunk_path)
     if have != want:

@@ -49,7 +49,8 @@ def tensor_role(name: str, mtp_blocks: set[int]) -> str:
 def mtp_info(g: GGUFFile) -> dict:
     """MTP layers of a file: in-file next-n blocks (llama.cpp layout) or a head-only file."""
     arch = g.get("general.architecture", "?")
-    n = int(g.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    n = g.get(f"{arch}.nextn_predict_layers", 0)
+    n = n if isinstance(n, int) else 0  # a damaged value: config_from_gguf names it
     blocks = sorted({int(m.group(1)) for t in g.tensors if (m := re.match(r"blk\.(\d+)\.nextn\.", t))})
     head_only = bool(blocks) and "token_embd.weight" not in g
     info: dict[str, Any] = {"present": bool(blocks) and n > 0, "nextn_predict_layers": n, "blocks": blocks,
@@ -62,7 +63,7 @@ def mtp_info(g: GGUFFile) -> dict:
                 "mtpllm.eval.mean_acceptance_length", "mtpllm.eval.per_position"):
         if key in g.metadata:
             info[key.removeprefix("mtpllm.")] = g.metadata[key]
-    if "mtpllm.draft_vocab" in g.metadata:
+    if isinstance(g.get("mtpllm.draft_vocab"), list):
         info["draft_vocab_size"] = len(g.metadata["mtpllm.draft_vocab"])
     return info
 
@@ -169,7 +170,7 @@ def format_text(r: dict, all_tensors: bool = False) -> str:
         lines.append(f"  {m['kind']}: {m['nextn_predict_layers']} next-n layer(s), blocks {m['blocks']}")
         for k in ("trunk_sha256", "train.data", "train.steps", "train.history", "eval.mean_acceptance_length",
                   "eval.per_position", "draft_vocab_size"):
-            if k == "train.history" and k in m:
+            if k == "train.history" and isinstance(m.get(k), list):
                 lines.append(f"  train.history: fine-tuned from {len(m[k])} earlier run(s), latest first:")
                 lines.extend(f"    - {h}" for h in reversed(m[k]))
             elif k in m:
