@@ -328,7 +328,7 @@ def test_decode_stack_equals_the_per_operator_blocks(tiny_models, arch, monkeypa
 
 
 def test_decode_stack_stage_timers(tiny_models):
-    """The C++ blocks' per-stage timers (docs/step_cost.py --stages): off by default, summed while
+    """The C++ blocks' per-stage timers (scripts/step_cost.py --stages): off by default, summed while
     on, reset when switched, and they leave the results unchanged."""
     from mtpllm.runtime import kernels
     if not kernels.available():
