@@ -20,11 +20,12 @@ pytestmark = pytest.mark.slow
 # The floor for a shipped head: the mean acceptance length `train-mtp` measured and recorded in the
 # head's metadata when it was written (`mtpllm.eval.mean_acceptance_length`: k = 3, greedy, the first
 # `mtpllm.eval.prompts` HumanEval prompts, 128 new tokens, on the compressed kernels; shown by
-# `mtpllm inspect HEAD`), less MARGIN. Greedy evaluation on these kernels gives the same bits on
-# every run and on AVX2 and AVX-512 VNNI builds, so the recorded figure is reproduced exactly; the
-# margin (about 2% of the heads' 2.63-2.66) leaves room for a kernel change that rounds differently and
-# flips a few near-tied tokens, and fails a head or a proposer that really lost acceptance.
-MARGIN = 0.05
+# `mtpllm inspect HEAD`), less MARGIN. Greedy evaluation is deterministic on one machine, but not to
+# the bit across machines and kernel builds: a near-tied token can flip and the continuation moves (the
+# 0.5B's head, recorded 2.63 on an AVX-512 VNNI machine, measured 2.60 on an AVX2-only one). The margin
+# (0.1, about 4% of the heads' 2.63-2.66) leaves room for that and still fails a head or a proposer that
+# really lost acceptance (the heads before the shipped ones were 0.1-0.2 lower).
+MARGIN = 0.1
 
 
 def recorded_floor(head) -> float:
