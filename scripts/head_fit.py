@@ -44,7 +44,8 @@ def main(argv=None) -> int:
 
     from mtpllm.errors import MtpllmError
     from mtpllm.runtime.engine import Engine
-    from mtpllm.train.mtp import TrainConfig, Trainer, read_texts, token_windows
+    from mtpllm.train.data import read_texts, token_windows
+    from mtpllm.train.mtp import TrainConfig, Trainer
     try:
         eng = Engine.load(a.model, n_ctx=max(1024, a.seq_len + 64), threads=a.threads)
         cfg = TrainConfig(steps=1, seq_len=a.seq_len, batch=4, depth=a.depth, answer_only=not a.all_tokens,

@@ -509,7 +509,7 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} prompts, {len(todo)} to do", flush=True)
     states_dir = None
     if a.states:
-        from mtpllm.train.mtp import RecordStates
+        from mtpllm.train.data import RecordStates
         states_dir = RecordStates.create(out, eng.model)
     t0, n_tok = time.time(), 0
     params = SamplingParams(temperature=0, max_tokens=a.max_new)

@@ -328,7 +328,7 @@ def test_decode_stack_equals_the_per_operator_blocks(tiny_models, arch, monkeypa
 
 
 def test_decode_stack_stage_timers(tiny_models):
-    """The C++ blocks' per-stage timers (docs/step_cost.py --stages): off by default, summed while
+    """The C++ blocks' per-stage timers (scripts/step_cost.py --stages): off by default, summed while
     on, reset when switched, and they leave the results unchanged."""
     from mtpllm.runtime import kernels
     if not kernels.available():
@@ -373,3 +373,14 @@ def test_silu_mul_matches_pytorch():
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     g, u = gu.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gu), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=1e-7)
+
+
+def test_verification_blocks_stay_below_the_row_threshold():
+    """One threshold (runtime.linear.GEMM_MIN_ROWS) separates decoding/verification rows, which
+    every layer computes as one-token decoding does, from prompt chunks: the largest verification
+    block (1 + MAX_K drafts) must stay below it, or speculative greedy output could differ from plain."""
+    from mtpllm.models import layers
+    from mtpllm.runtime.linear import GEMM_MIN_ROWS
+    from mtpllm.speculative.config import MAX_K
+    assert 1 + MAX_K < GEMM_MIN_ROWS
+    assert not hasattr(layers, "ROW_BY_ROW_MAX")  # no second definition

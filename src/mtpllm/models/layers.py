@@ -17,8 +17,6 @@ from ..runtime.kv_cache import BatchKV, KVCache
 from ..runtime.linear import GEMM_MIN_ROWS, Linear
 from .config import ModelConfig, RopeConfig
 
-ROW_BY_ROW_MAX = 32  # blocks up to this many tokens (speculative verification) attend row by row
-
 
 def _fused(x: torch.Tensor) -> bool:
     """Use the engine's fused CPU operators (csrc/attention.cpp): float32 on the CPU, no autograd
@@ -147,7 +145,7 @@ class Attention(nn.Module):
     def _mix(self, qkv: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         """Rotary, cache write and attention for qkv [T, ...] at `positions` -> [T, H * hd]."""
         T = qkv.shape[0]
-        if T <= ROW_BY_ROW_MAX and isinstance(kv, KVCache) and not kv.span(layer) and not self.window \
+        if T < GEMM_MIN_ROWS and isinstance(kv, KVCache) and not kv.span(layer) and not self.window \
                 and _fused(qkv):
             # decoding and verification: norm, rotary, cache write and attention in one operator,
             # each query row computed exactly as in one-token decoding
@@ -174,7 +172,7 @@ class Attention(nn.Module):
             q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         keys, values, key_pos = kv.update(layer, k, v, positions)  # [KV, L, D], [KV, L, D], [L]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        if 1 < T <= ROW_BY_ROW_MAX:
+        if 1 < T < GEMM_MIN_ROWS:
             # verification blocks: each query row attends exactly as in one-token decoding (same
             # kernel, same key range, no mask), so speculative and plain greedy decoding agree
             # bit for bit; a batched masked kernel sums in another order

@@ -18,16 +18,23 @@ integer dot products then use its fused instructions, on 256-bit registers, with
 results (csrc/gguf_blocks.cpp). The build is named by its instruction set, so a cache shared between
 machines never hands one CPU another's build. MTPLLM_KERNELS_ISA=avx2 forces the AVX2 build.
 
+While it compiles, one line on stderr says so, with a dot every few seconds and the seconds it
+took at the end; a cached load prints nothing. The build runs `ninja`: when the `ninja` wheel's
+binary sits next to the interpreter (a virtual environment used without activating it), that
+folder is put on PATH for the duration of the build only, and PATH is restored afterwards.
+
 If it cannot be built or the CPU lacks AVX2, `available()` is False with the reason in `status()`
 and the engine falls back to PyTorch's own int8/int4 kernels and operators (slower).
 MTPLLM_KERNELS=0 turns the extension off.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -45,6 +52,10 @@ _VNNI_CPU = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {}
+# a load that has not finished after this many seconds is a compilation (a cached load takes well
+# under a second): only then is it announced on stderr
+_NOTICE_AFTER_S = 2.0
+_DOT_EVERY_S = 5.0
 
 
 def _cpu_has_avx2() -> bool:
@@ -97,23 +108,72 @@ def expected() -> bool:
     return _unsupported() is None
 
 
+@contextlib.contextmanager
+def _ninja_on_path():
+    """The `ninja` wheel installs its binary next to the interpreter: make it findable while the
+    extension builds when the virtual environment is used without being activated. PATH is
+    restored afterwards (no lasting change to the process environment)."""
+    bindir = os.path.dirname(sys.executable)
+    old = os.environ.get("PATH")
+    add = os.path.exists(os.path.join(bindir, "ninja")) and bindir not in (old or "").split(os.pathsep)
+    if add:
+        os.environ["PATH"] = bindir + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if add:
+            if old is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = old
+
+
+@contextlib.contextmanager
+def _build_notice(what: str, out=None):
+    """Says on stderr that `what` is being compiled when the block has not finished after
+    _NOTICE_AFTER_S seconds, prints a dot every _DOT_EVERY_S seconds while it runs and the seconds
+    it took at the end; a block that finishes sooner (a cached load) prints nothing."""
+    out = out or sys.stderr
+    done = threading.Event()
+    shown = threading.Event()
+    t0 = time.perf_counter()
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+
+    def watch():
+        if done.wait(_NOTICE_AFTER_S):
+            return
+        print(f"mtpllm: compiling {what} (first use only, about 30-90 s; cached in {cache}) ",
+              end="", file=out, flush=True)
+        shown.set()
+        while not done.wait(_DOT_EVERY_S):
+            print(".", end="", file=out, flush=True)
+
+    th = threading.Thread(target=watch, name="mtpllm-build-notice", daemon=True)
+    th.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        th.join()
+        if shown.is_set():
+            print(f" {'done' if ok else 'failed'} in {time.perf_counter() - t0:.0f} s", file=out, flush=True)
+
+
 def _build() -> None:
     reason = _unsupported()
     if reason:
         _state["reason"] = reason
         return
-    # the `ninja` wheel installs its binary next to the interpreter: make it findable when the
-    # virtual environment is used without being activated
-    bindir = os.path.dirname(sys.executable)
-    if os.path.exists(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     chosen = isa()
     # a compiler too old for AVX-512 VNNI gets the AVX2 build rather than no kernels at all
     tries = [chosen] + (["avx2"] if chosen != "avx2" and not os.environ.get("MTPLLM_KERNELS_ISA") else [])
     for name in tries:
         try:
             from torch.utils.cpp_extension import load
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _ninja_on_path(), \
+                    _build_notice(f"the CPU kernels ({'AVX-512 VNNI' if name == 'avx512vnni' else 'AVX2'} build)"):
                 warnings.simplefilter("ignore")
                 load(name="mtpllm_cpu_v4_" + name, sources=[str(s) for s in _SOURCES],
                      extra_cflags=_FLAGS + (_VNNI_FLAGS if name == "avx512vnni" else []),

@@ -37,10 +37,13 @@ from ..gguf.reader import GGUFFile
 from . import kernels
 
 INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
-# From this many rows on (prompt chunks), Q4_0/Q5_0/Q8_0 matrices take the 8-row integer GEMM
-# (`kernels.gguf_linear_chunk`; other 32-weight block types: dequantized, fp32 GEMM); K-quant
-# matrices stay on their tile kernel. Kept above the largest verification block (1 + 16 drafts) so
-# decoding and verification always use the same one-row arithmetic.
+# The one row-count threshold of the engine. A forward over fewer rows than this is decoding or
+# speculative verification (at most 1 + 16 drafts, speculative.config.MAX_K): every layer gives
+# each row exactly what one-token decoding gives it (one-row kernels, attention row by row, the C++
+# decoder blocks), so speculative and plain greedy decoding agree bit for bit. From this many rows
+# on it is a prompt chunk: Q4_0/Q5_0/Q8_0 matrices take the 8-row integer GEMM
+# (`kernels.gguf_linear_chunk`; other 32-weight block types: dequantized, fp32 GEMM), K-quant
+# matrices stay on their tile kernel, and attention is one batched masked call.
 GEMM_MIN_ROWS = 32
 # super-block types the kernel sums in int32 per 256 weights (it runs prompt chunks too)
 K_QUANTS = (int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K))

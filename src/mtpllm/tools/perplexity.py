@@ -1,9 +1,13 @@
-"""`mtpllm perplexity -m MODEL -f FILE`: perplexity of a model on a text (as llama-perplexity).
+"""`mtpllm perplexity -m MODEL -f FILE`: perplexity of a model on a text, by llama-perplexity's protocol.
 
-The text is tokenized once (with BOS where the model uses one) and cut into chunks of `-c`
-tokens; each chunk is evaluated from an empty cache and only its second half is scored, so every
-scored token sees at least c/2 tokens of context. Prints the running estimate per chunk and the
-final PPL with its standard error. `--dequantize` runs every weight as float32: comparing the two
+The protocol of llama.cpp's `llama-perplexity` (tools/perplexity/perplexity.cpp, `perplexity()`):
+the text is tokenized once (with BOS in front where the model adds one) and cut into
+len(tokens) // c chunks of `-c` tokens (the remainder is dropped). Each chunk is evaluated from an
+empty cache; where the model adds a BOS token, the chunk's first token is replaced by BOS, so every
+chunk starts as a document does. In each chunk the logits at positions c/2 .. c-2 are scored
+against the tokens c/2 + 1 .. c-1 (c - 1 - c/2 tokens: 255 of a 512-token chunk), so every scored
+token sees at least c/2 tokens of context. Prints the running estimate per chunk and the
+final PPL with its standard error, and says which protocol it used. `--dequantize` runs every weight as float32: comparing the two
 tells how much the compressed kernels cost in quality. `-b` sets the tokens per forward call: the
 compressed path multiplies prompt-sized batches with the exact float32 weights, and batches of
 fewer than 32 tokens (decoding, speculative verification) with the quantized-activation kernel,
@@ -34,9 +38,32 @@ class PerplexityResult:
     chunks: int
     n_ctx: int
     seconds: float
+    bos_id: int | None = None  # the token each chunk starts with, or None (the model adds no BOS)
+
+    @property
+    def protocol(self) -> str:
+        """The protocol, in words (printed with the result)."""
+        first = self.n_ctx // 2
+        start = f"each starting with BOS (token {self.bos_id})" if self.bos_id is not None else \
+            "no BOS (the model adds none)"
+        return (f"llama-perplexity: {self.chunks} chunks of {self.n_ctx} tokens, {start}, "
+                f"tokens {first + 1}..{self.n_ctx - 1} of each scored")
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return dict(self.__dict__, protocol=self.protocol)
+
+
+def chunk_inputs(ids: list[int], n_ctx: int, n_chunks: int, bos_id: int | None) -> list[list[int]]:
+    """The token input of each chunk: `n_chunks` consecutive slices of `n_ctx` tokens, each with its
+    first token replaced by `bos_id` when the model adds a BOS token (llama-perplexity does the
+    same: "add BOS token for the first batch of each chunk")."""
+    out = []
+    for c in range(n_chunks):
+        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        if bos_id is not None:
+            chunk[0] = bos_id
+        out.append(chunk)
+    return out
 
 
 def perplexity(engine, text: str, n_ctx: int = 512, max_chunks: int = 0, progress=None,
@@ -47,7 +74,9 @@ def perplexity(engine, text: str, n_ctx: int = 512, max_chunks: int = 0, progres
         raise MtpllmError(f"perplexity: -c must be at least 16, got {n_ctx}")
     if n_ctx > engine.n_ctx:
         raise MtpllmError(f"perplexity: -c {n_ctx} exceeds the engine's context {engine.n_ctx}")
-    ids = engine.tokenizer.encode(text, add_special=True)
+    tok = engine.tokenizer
+    ids = tok.encode(text, add_special=True)
+    bos_id = tok.bos_id if tok.add_bos else None
     n_chunks = len(ids) // n_ctx
     if max_chunks:
         n_chunks = min(n_chunks, max_chunks)
@@ -57,16 +86,15 @@ def perplexity(engine, text: str, n_ctx: int = 512, max_chunks: int = 0, progres
     first = n_ctx // 2
     nll = []
     t0 = time.perf_counter()
-    for c in range(n_chunks):
-        chunk = ids[c * n_ctx:(c + 1) * n_ctx]
+    for c, chunk in enumerate(chunk_inputs(ids, n_ctx, n_chunks, bos_id)):
         cache.reset()
         hidden = []
         for s in range(0, n_ctx, batch):
             toks = torch.tensor(chunk[s:s + batch], dtype=torch.long, device=engine.device)
             hidden.append(model(toks, cache))
-        h = torch.cat(hidden)[first - 1:n_ctx - 1]  # positions predicting tokens first..n_ctx-1
+        h = torch.cat(hidden)[first:n_ctx - 1]  # positions first..n_ctx-2 predict tokens first+1..n_ctx-1
         logp = torch.log_softmax(model.logits(h).float(), dim=-1)
-        target = torch.tensor(chunk[first:], dtype=torch.long, device=logp.device)
+        target = torch.tensor(chunk[first + 1:], dtype=torch.long, device=logp.device)
         nll.extend((-logp.gather(1, target[:, None])[:, 0]).tolist())
         if progress:
             progress(c + 1, n_chunks, math.exp(sum(nll) / len(nll)))
@@ -75,7 +103,7 @@ def perplexity(engine, text: str, n_ctx: int = 512, max_chunks: int = 0, progres
     mean = sum(nll) / n
     var = sum((x - mean) ** 2 for x in nll) / max(n - 1, 1)
     ppl = math.exp(mean)
-    return PerplexityResult(ppl, ppl * math.sqrt(var / n), n, n_chunks, n_ctx, time.perf_counter() - t0)
+    return PerplexityResult(ppl, ppl * math.sqrt(var / n), n, n_chunks, n_ctx, time.perf_counter() - t0, bos_id)
 
 
 def main(argv: list[str]) -> int:
@@ -107,4 +135,5 @@ def main(argv: list[str]) -> int:
     else:
         print(f"PPL = {r.ppl:.4f} +/- {r.stderr:.4f} ({r.tokens_scored} tokens in {r.chunks} chunks of "
               f"{r.n_ctx}, {'float32' if a.dequantize else 'compressed'} weights, {r.seconds:.1f} s)")
+        print(f"protocol: {r.protocol}")
     return 0

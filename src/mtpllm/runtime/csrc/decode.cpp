@@ -8,7 +8,7 @@
 //                         k, v: the KV cache [layers, KV, max_len, D]; returns the residual stream
 //
 // One call per token instead of ~13 PyTorch operators and ~10 module calls per block from Python:
-// that dispatch cost was 2.8-4 ms of a 19-20 ms step of the 0.5B (`docs/profile.md`). The arithmetic
+// that dispatch cost was 2.8-4 ms of a 19-20 ms step of the 0.5B (`docs/kernels.md`). The arithmetic
 // is the Python path's, operator for operator (the same kernels: gguf_linear_rows, rms_norm_rows,
 // attend_rows, silu_mul; additions of the bias and residuals are elementwise float adds), so a block
 // gives bit-identical results either way: the Python path stays in use for batched decoding, prompt
@@ -82,7 +82,7 @@ struct DecodeStack : torch::CustomClassHolder {
   double scale, eps, qk_eps;
   std::vector<Layer> layers;
   // Per-stage wall time of forward, summed over layers and calls while timing is on (off by default:
-  // docs/profile.md). Stages: attention norm + QKV (+ bias), attention, output projection + residual,
+  // docs/kernels.md). Stages: attention norm + QKV (+ bias), attention, output projection + residual,
   // FFN norm + gate/up, SiLU * up, FFN down + residual.
   static constexpr int kStages = 6;
   bool timing = false;

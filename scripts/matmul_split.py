@@ -1,6 +1,6 @@
 """Time one decode step's matrix products alone, per GGUF type and shape, for M activation rows.
 
-    python docs/matmul_split.py ~/.cache/mtpllm/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --threads 2 -M 1,2,4
+    python scripts/matmul_split.py ~/.cache/mtpllm/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --threads 2 -M 1,2,4
 
 Every `gguf` Linear of the model is called through the kernel (`kernels.gguf_linear`) with random
 activations, `--reps` times after a warm-up; the table gives ms per step and the weight bytes moved

@@ -1,11 +1,11 @@
 """What one speculative step costs against one plain step, in one process.
 
-    python docs/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2] [--stages] [--no-decode]
+    python scripts/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2] [--stages] [--no-decode]
 
 Decodes one code prompt plain and with speculation (three rounds, alternating; draft and
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
 at ~300 positions with and without the logits and their argmax (25 alternations, median and min).
-The figures in docs/profile.md (2026-12-04, evening) come from this script.
+The per-stage figures in docs/kernels.md come from this script.
 """
 import argparse
 import statistics

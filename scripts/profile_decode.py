@@ -1,9 +1,9 @@
 """Where decode time goes: torch profiler over plain greedy decoding (and optionally MTP).
 
-    python docs/profile_decode.py [-m MODEL] [-n TOKENS] [--spec mtp:3]
+    python scripts/profile_decode.py [-m MODEL] [-n TOKENS] [--spec mtp:3]
 
 Prints the operator table (self CPU time) for the decode phase only: the prompt is evaluated
-before profiling starts. The figures in docs/profile.md come from this script.
+before profiling starts. The figures in docs/kernels.md come from this script.
 """
 import argparse
 import time

@@ -1,10 +1,10 @@
 """Does torch.compile speed up one-token decoding? Plain greedy, 64 tokens, best of 4, 2 threads.
 
-    python docs/compile_decode.py mlp     # each block's FFN compiled
-    python docs/compile_decode.py block   # whole blocks (dynamo breaks the graph where it must)
+    python scripts/compile_decode.py mlp     # each block's FFN compiled
+    python scripts/compile_decode.py block   # whole blocks (dynamo breaks the graph where it must)
 
 Fake (meta) kernels are registered for the extension's operators so dynamo can trace them.
-Result on the reference machine: see docs/benchmarks.md ("torch.compile")."""
+Result on the reference machine: see docs/kernels.md ("Lessons and things tried")."""
 import sys, time, torch
 from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
