@@ -24,7 +24,7 @@ from ..runtime.linear import NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, cached_stack, native_rows, rope_inv_freq, run_stack
 
-ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3")
+ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3", "qwen35", "qwen35moe", "qwen3next")
 
 
 class _ArchRegistry(dict):
@@ -76,7 +76,10 @@ def cache_windows(cfg: ModelConfig) -> tuple[int, ...]:
 
 def model_kv_bytes(cfg: ModelConfig, n_ctx: int) -> int:
     """KV-cache bytes for a context of n_ctx tokens: trunk and in-file MTP layers, sliding layers
-    counted at their ring size (what `make_cache` allocates)."""
+    counted at their ring size (what `make_cache` allocates); an architecture with other state
+    (recurrent layers) says itself (`cfg.cache_bytes`)."""
+    if hasattr(cfg, "cache_bytes"):
+        return cfg.cache_bytes(n_ctx)
     return kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx,
                           windows=cache_windows(cfg))
 
@@ -195,6 +198,9 @@ def load_model(path: str | Path, mode: str = "fast", cfg_overrides: dict | None 
         else:
             setattr(cfg, k, v)
     cfg.rope.__post_init__()
+    arch = ARCHITECTURES[cfg.arch]
+    if hasattr(arch, "load_model"):  # an architecture with its own model class
+        return arch.load_model(g, mode, cfg)
     full_rot, swa_rot = make_rotaries(g, cfg)
     blocks = []
     for i in range(cfg.n_layers):

@@ -123,5 +123,6 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         norm_eps=float(g.get(p + "attention.layer_norm_rms_epsilon", 1e-6)), rope=rope, n_nextn=n_nextn,
         tied_embeddings="output.weight" not in g,
     )
-    ARCHITECTURES[arch].adjust_config(g, cfg)
-    return ModelConfig(**cfg)
+    mod = ARCHITECTURES[arch]
+    mod.adjust_config(g, cfg)
+    return getattr(mod, "CONFIG", ModelConfig)(**cfg)
