@@ -187,10 +187,14 @@ def make_rotaries(g: GGUFFile, cfg: ModelConfig) -> tuple[Rotary, Rotary]:
 
 def load_model(path: str | Path, mode: str = "fast", cfg_overrides: dict | None = None,
                gguf_file: GGUFFile | None = None) -> Transformer:
-    """Load a GGUF model. mode: "fast" (compressed kernels) or "f32" (everything dequantized)."""
+    """Load a GGUF model, or a Hugging Face checkpoint of an architecture that `models/hf.py` reads.
+    mode: "fast" (compressed kernels) or "f32" (everything dequantized)."""
     if mode not in ("fast", "f32"):
         raise MtpllmError(f"unknown weight mode '{mode}' (fast|f32)")
-    g = gguf_file or GGUFFile(path)
+    if gguf_file is None:
+        from .hf import open_model_file
+        gguf_file = open_model_file(path)
+    g = gguf_file
     cfg = config_from_gguf(g)
     for k, v in (cfg_overrides or {}).items():
         if k.startswith("rope."):
