@@ -130,3 +130,27 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     """transformers' logits [T, V] for one sequence (float32, no cache)."""
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def hf_to_gguf(src, out, qtype=None) -> Path:
+    """Write the checkpoint at `src` as a GGUF file in llama.cpp's layout, through `HFModelFile`
+    (names, metadata and tensor transforms as llama.cpp's converter; `test_qwen35.py` checks that
+    against the converter itself when MTPLLM_LLAMACPP points at its source). qtype: store the 2-D
+    matrices whose rows allow it in that block type (norms, conv, A, dt and router stay F32)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+    from mtpllm.gguf.writer import quantize, write_gguf
+    from mtpllm.models.hf import HFModelFile
+    h = HFModelFile(src)
+    arch = h.arch
+    meta = {k: v for k, v in h.metadata.items() if k != "general.architecture"}
+    tensors = {}
+    for name in h.tensors:
+        t = h.load(name).numpy()
+        q = QT.F32
+        if qtype is not None and t.ndim >= 2 and t.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 \
+                and not name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+            q = qtype
+        tensors[name] = (quantize(np.ascontiguousarray(t), q), q)
+    return write_gguf(out, arch, meta, tensors)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.cache import CacheGroup, RecurrentCache
-from .layers import Attention, MLP, RMSNorm
+from .layers import ROW_BY_ROW_MAX, Attention, MLP, RMSNorm
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (transformers and the FLA kernels use 64)
 L2_EPS = 1e-6  # transformers' l2norm epsilon (FLA's)
@@ -85,6 +85,15 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
     return out.reshape(H, -1, dv)[:, :T].transpose(0, 1), S
 
 
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, each row alone in verification blocks (1 < T <= ROW_BY_ROW_MAX):
+    vectorised exp/sigmoid give other bits than their scalar tail, and where a row falls in the
+    flat tensor depends on T; one row at a time it gets the bits of one-token decoding."""
+    if 1 < x.shape[0] <= ROW_BY_ROW_MAX:
+        return torch.cat([fn(r) for r in x.split(1)])
+    return fn(x)
+
+
 def _rec(cache) -> RecurrentCache:
     return cache.rec if isinstance(cache, CacheGroup) else cache
 
@@ -112,44 +121,63 @@ class GatedDeltaNet(nn.Module):
         self.n_k, self.n_v, self.dk, self.dv = n_k, n_v, dk, dv
         self.conv_dim = 2 * n_k * dk + n_v * dv
 
-    def forward(self, x: torch.Tensor, cache, layer: int) -> torch.Tensor:
-        rec = _rec(cache)
-        T = x.shape[0]
+    def _inputs(self, p: torch.Tensor, hist: torch.Tensor):
+        """Projections p [T, N] and convolution inputs hist [K-1+T, C] -> q, k [T, H, dk] (normed,
+        q scaled), v [T, H, dv], g, beta [T, H], z [T, H, dv]."""
+        T = p.shape[0]
         C, nk, nv, dk, dv = self.conv_dim, self.n_k, self.n_v, self.dk, self.dv
-        p = self.proj(x)
-        qkv, z, b, a = p.split([C, nv * dv, nv, nv], dim=-1)
+        _, z, b, a = p.split([C, nv * dv, nv, nv], dim=-1)
         if self.ba_grouped:
             r = nv // nk
-            ba = p[:, C + nv * dv:].view(T, nk, 2 * r)
+            ba = p[:, C + nv * dv:].reshape(T, nk, 2 * r)
             b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
-        # causal depthwise convolution over [state (K-1 rows) | this block's T rows]; the sum runs
-        # over the kernel taps in a fixed order so that every row gets the same bits for any T
-        hist = torch.cat([rec.conv_state(layer).to(qkv.dtype), qkv])  # [K-1+T, C]
-        rec.push_conv(layer, qkv)
+        # causal depthwise convolution: a fixed-order sum over the kernel taps
         K = self.conv_w.shape[1]
         c = hist[0:T] * self.conv_w[:, 0]
         for j in range(1, K):
             c = c + hist[j:j + T] * self.conv_w[:, j]
         c = F.silu(c)
-        q = l2norm(c[:, :nk * dk].view(T, nk, dk))
-        k = l2norm(c[:, nk * dk:2 * nk * dk].view(T, nk, dk))
-        v = c[:, 2 * nk * dk:].view(T, nv, dv)
+        q = l2norm(c[:, :nk * dk].reshape(T, nk, dk))
+        k = l2norm(c[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
+        v = c[:, 2 * nk * dk:].reshape(T, nv, dv)
         if nv != nk and self.tiled:
             q, k = q.repeat(1, nv // nk, 1), k.repeat(1, nv // nk, 1)
         elif nv != nk:
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
         q = q * dk ** -0.5
         beta = torch.sigmoid(b)
-        g = self.a * F.softplus(a + self.dt_bias)  # [T, H], log of the decay (< 0)
-        state = rec.state_of(layer)
+        g = self.a * F.softplus(a + self.dt_bias)  # log of the decay (< 0)
+        return q, k, v, g, beta, z.reshape(T, nv, dv)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z [T, H, dv] -> per-head RMSNorm(o) * silu(z), [T, H * dv]."""
+        T, H, dv = o.shape
+        return (self.norm(o.reshape(T * H, dv)).view(T, H, dv) * F.silu(z)).reshape(T, H * dv)
+
+    def forward(self, x: torch.Tensor, cache, layer: int) -> torch.Tensor:
+        rec = _rec(cache)
+        T = x.shape[0]
+        K = self.conv_w.shape[1]
+        p = self.proj(x)
+        qkv = p[:, :self.conv_dim]
+        hist = torch.cat([rec.conv_state(layer).to(qkv.dtype), qkv])  # [K-1+T, C]: state, then this block
+        rec.push_conv(layer, qkv)
         if T <= rec.max_rows:
-            # decoding and verification rows: the state after every row goes to its ring slot
-            o = delta_rule_steps(q, k, v, g, beta, state, lambda t: rec.row_state(layer, t))
-        else:
-            o, final = delta_rule_chunked(q, k, v, g, beta, state)
-            rec.row_state(layer, T - 1).copy_(final)
-        o = self.norm(o.reshape(T * nv, dv)).view(T, nv, dv) * F.silu(z.view(T, nv, dv))
-        return self.out(o.reshape(T, nv * dv))
+            # decoding and verification rows: each row alone, exactly as a one-row forward computes
+            # it (elementwise exp/sigmoid are vectorised over the whole tensor, so a row's bits
+            # would otherwise depend on T), and the state after every row goes to its ring slot
+            S = rec.state_of(layer)
+            outs = []
+            for t in range(T):
+                q, k, v, g, beta, z = self._inputs(p[t:t + 1], hist[t:t + K])
+                o = delta_rule_steps(q, k, v, g, beta, S, lambda _: rec.row_state(layer, t))
+                S = rec.row_state(layer, t)
+                outs.append(self._output(o, z))
+            return self.out(torch.cat(outs))
+        q, k, v, g, beta, z = self._inputs(p, hist)
+        o, final = delta_rule_chunked(q, k, v, g, beta, rec.state_of(layer))
+        rec.row_state(layer, T - 1).copy_(final)
+        return self.out(self._output(o, z))
 
 
 class GatedAttention(Attention):
@@ -162,10 +190,10 @@ class GatedAttention(Attention):
         H, hd, kv_sz = self.n_heads, self.hd, self.n_kv * self.hd
         p = self.qkv(x)
         qg = p[:, :2 * H * hd].view(T, H, 2 * hd)
-        gate = qg[..., hd:].reshape(T, H * hd)
+        gate = rowwise(torch.sigmoid, qg[..., hd:].reshape(T, H * hd))
         qkv = torch.cat([qg[..., :hd].reshape(T, H * hd), p[:, 2 * H * hd:2 * H * hd + 2 * kv_sz]], dim=-1)
         o = self._mix(qkv, positions, _kv(cache), layer)
-        return self.out(o * torch.sigmoid(gate))
+        return self.out(o * gate)
 
 
 class MoE(nn.Module):
@@ -188,11 +216,11 @@ class MoE(nn.Module):
         for e in torch.unique(idx).tolist():
             rows, slot = torch.where(idx == e)
             y = self.experts[e](x[rows]) * w[rows, slot, None].to(x.dtype)
-            out.index_add_(0, rows, y)
+            out[rows] += y  # a row picks an expert at most once: no repeated indices
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
-                s = torch.sigmoid(self.shared_gate(x)) * s
+                s = rowwise(torch.sigmoid, self.shared_gate(x)) * s
             out = out + s
         return out
 
