@@ -42,7 +42,7 @@ def hybrid(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     out = {}
     for kind in KINDS:
-        d, hf = tiny_hybrid.make_tiny_hf(root / kind, kind)
+        d, hf = tiny_hybrid.make_tiny_hf(root / kind, kind, echo=0.1)  # an MTP layer that drafts well at times
         out[kind] = (d, hf, tiny_hybrid.hf_to_gguf(d, root / f"{kind}.gguf"))
     return out
 
@@ -213,6 +213,31 @@ def test_engine_generates_from_the_checkpoint_directory(hybrid):
     kv_one_layer = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 128
     assert model_kv_bytes(cfg, 128) == kv_one_layer * (cfg.n_attn + cfg.n_nextn) + cfg.recurrent_bytes()
     assert eng.cache.nbytes() == kv_one_layer * cfg.n_attn + cfg.recurrent_bytes()
+
+
+def _engine(src, meta, kind, mode="fast"):
+    return Engine(load_model(src, mode), GGUFTokenizer(meta, kind), 256)
+
+
+@pytest.mark.parametrize("kind,source", [("qwen35", "hf"), ("qwen35moe", "gguf")])
+def test_mtp_with_the_models_own_layer_is_greedy_identical(hybrid, kind, source):
+    """Speculation with the model's own MTP layer (a gated-attention block, MoE for qwen35moe) gives
+    plain greedy decoding's tokens for k = 1..6, while drafts are accepted at some positions and
+    rejected at every position (each rejection rolls the recurrent state back through the cache)."""
+    from mtpllm.speculative import SpecConfig
+    d, _, gguf = hybrid[kind]
+    eng = _engine(d, HFModelFile(d).metadata, kind) if source == "hf" else _engine(gguf, GGUFFile(gguf).metadata, kind)
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = eng.encode_prompt("the fox = the fox", chat=False)
+    ref = eng.generate(prompt_ids=ids, params=p).tokens
+    for k in range(1, 7):
+        spec = SpecConfig("mtp", k).build(eng)
+        assert type(spec.proposer.head.block.mixer).__name__ == "GatedAttention"
+        out = eng.generate(prompt_ids=ids, params=p, speculative=spec)
+        assert out.tokens == ref, k
+        st = out.stats
+        assert st.num_accepted_tokens > 0 and st.accepted_per_pos[0] < st.drafted_per_pos[0]
+        assert all(a < n for a, n in zip(st.accepted_per_pos, st.drafted_per_pos))
 
 
 LLAMACPP = os.environ.get("MTPLLM_LLAMACPP")  # llama.cpp source tree (vendor/llama.cpp of llama-cpp-python)

@@ -57,9 +57,14 @@ def write_tokenizer(d: Path) -> int:
     return len(tokens)
 
 
-def _mtp_tensors(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _mtp_tensors(cfg: dict, gen: torch.Generator, echo: float = 0.0) -> dict[str, torch.Tensor]:
     """The MTP layer in the released layout: fc (2D -> D, embedding half first), two pre-fc norms,
-    one full-attention decoder layer, the final norm. Norms stored zero-centred (around 0)."""
+    one full-attention decoder layer, the final norm. Norms stored zero-centred (around 0).
+
+    echo > 0: a head that mostly passes the token's embedding through (fc = [I | noise], the block's
+    output projections scaled by `echo`): it drafts what the trunk's residual stream, dominated by
+    the embedding in these tiny models, says after that token alone, a bigram guess that is right
+    often but far from always, so speculation sees acceptances and rejections at every position."""
     D, H, KV, hd, F = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                         "intermediate_size"))
 
@@ -86,10 +91,18 @@ def _mtp_tensors(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
                   p + f"mlp.experts.{e}.down_proj.weight": w(D, Fe)}
     else:
         t |= {p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D), p + "mlp.down_proj.weight": w(D, F)}
+    if echo:
+        t["mtp.fc.weight"] = torch.cat([torch.eye(D), w(D, D, s=0.02)], dim=1)
+        for n in list(t):
+            if n.endswith(("o_proj.weight", "down_proj.weight")):
+                t[n] = t[n] * echo
+            elif "norm" in n:
+                t[n] = t[n] * 0.1
     return t
 
 
-def make_tiny_hf(d: str | Path, kind: str = "qwen35", seed: int = 0, mtp: bool = True, **overrides):
+def make_tiny_hf(d: str | Path, kind: str = "qwen35", seed: int = 0, mtp: bool = True, echo: float = 0.0,
+                 **overrides):
     """Write a tiny random `kind` checkpoint (qwen35 | qwen35moe | qwen3next) to directory d.
     Returns (directory, the transformers model in eval mode, float32)."""
     from safetensors.torch import save_file
@@ -121,7 +134,7 @@ def make_tiny_hf(d: str | Path, kind: str = "qwen35", seed: int = 0, mtp: bool =
     model.config.save_pretrained(d)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if mtp:
-        state |= _mtp_tensors(cfg, gen)
+        state |= _mtp_tensors(cfg, gen, echo)
     save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
     return d, model
 

@@ -284,6 +284,12 @@ def build_block(g, cfg: HybridConfig, i: int, rotary: Rotary, mode: str, recurre
                        _norm(g, p + "post_attention_norm.weight", cfg.norm_eps), build_ffn(g, cfg, i, mode))
 
 
+def build_mtp_block(g, cfg: HybridConfig, L: int, mode: str) -> HybridBlock:
+    """The MTP layer's decoder block `blk.{L}.*`: a gated full-attention block (dense or MoE FFN as
+    the file has it), its own KV cache of one layer (`MTPHead.make_cache`)."""
+    return build_block(g, cfg, L, make_rotary(cfg), mode, recurrent=False)
+
+
 def make_rotary(cfg: HybridConfig) -> Rotary:
     """The NEOX rotary over the first `rope.dim` dims of each head. Interleaved MRoPE gives section s
     the frequencies i = s mod 3 (by index) with that section's position; text tokens have the same
