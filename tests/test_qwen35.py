@@ -266,3 +266,19 @@ def test_llamacpp_converter_agrees(hybrid, kind, tmp_path):
         if key.startswith(kind + ".") and key != f"{kind}.full_attention_interval":
             assert h.metadata[key] == v, key
     assert torch.equal(_logits(load_model(out, "f32"), TOKENS), _logits(load_model(d, "f32"), TOKENS))
+
+
+def test_inspect_and_doctor_describe_the_hybrid(hybrid):
+    from mtpllm.tools.doctor import diagnose
+    from mtpllm.tools.inspect import format_text, inspect_file
+    _, _, gguf = hybrid["qwen35moe"]
+    r = inspect_file(gguf)
+    a = r["architecture"]
+    assert a["layer_pattern"] == "LALA" and a["recurrent"] == 2 and r["mtp"]["blocks"] == [4]
+    # KV per token: 2 attention layers + 1 MTP layer, keys and values, 2 kv heads x 16, float32
+    assert a["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4
+    text = format_text(r)
+    assert "layers: LALA" in text and "MoE: 6 experts, 2 used" in text and "recurrent" in text
+    rep = diagnose(gguf, ctx=256, sha=False)
+    mem = [c for c in rep.checks if c.name == "memory"][0]
+    assert "recurrent state" in mem.message and "2 DeltaNet layers" in mem.message
