@@ -209,6 +209,11 @@ def test_engine_generates_from_the_checkpoint_directory(hybrid):
         eng = Engine(m, GGUFTokenizer(meta, "qwen35"), 128)
         outs.append(eng.generate("the fox", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).tokens)
     assert outs[0] == outs[1] and len(outs[0]) == 12
+    # several sequences decoded together give each its own greedy tokens
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [eng.encode_prompt("the fox", chat=False), eng.encode_prompt("a = the", chat=False)]
+    batch = eng.generate_batch(prompts, p)
+    assert [c.tokens for c in batch] == [eng.generate(prompt_ids=ids, params=p).tokens for ids in prompts]
     cfg = m.cfg
     kv_one_layer = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * 128
     assert model_kv_bytes(cfg, 128) == kv_one_layer * (cfg.n_attn + cfg.n_nextn) + cfg.recurrent_bytes()
