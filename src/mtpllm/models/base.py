@@ -1,8 +1,13 @@
-"""The decoder-only transformer shared by all architectures, and the GGUF loader.
+"""The decoder-only transformer shared by the dense architectures, and the model loader.
 
-Contract of an architecture file (`qwen2.py`, `gemma3.py`, ...): a module-level
-`adjust_config(g, cfg: dict)` that sets the architecture's flags from GGUF metadata.
-Everything else (tensor names, blocks) is common and driven by the config flags.
+Contract of an architecture file (`qwen2.py`, `gemma3.py`, `qwen35.py`, ...), module level:
+  adjust_config(g, cfg: dict)    set the architecture's config fields from GGUF metadata (required)
+  CONFIG                         its config dataclass (default `ModelConfig`)
+  load_model(g, mode, cfg)       build its own model class from GGUF-named tensors (default: the
+                                 shared `Transformer` below, driven by the config flags)
+  build_mtp_block(g, cfg, L, mode)  its MTP block type (default: the shared `Block`)
+  HF_MAP, HF_MTP_MAP             Hugging Face -> GGUF tensor names, for checkpoints read in place
+                                 (`models/hf.py`)
 """
 from __future__ import annotations
 
