@@ -245,6 +245,19 @@ def test_mtp_with_the_models_own_layer_is_greedy_identical(hybrid, kind, source)
         assert all(a < n for a, n in zip(st.accepted_per_pos, st.drafted_per_pos))
 
 
+def test_mtp_layer_from_a_separate_checkpoint(hybrid):
+    """--spec-mtp-head pointing at the Hugging Face checkpoint gives the same drafts as the layer
+    inside the GGUF file."""
+    from mtpllm.speculative import SpecConfig
+    d, _, gguf = hybrid["qwen35"]
+    eng = _engine(gguf, GGUFFile(gguf).metadata, "qwen35")
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = eng.encode_prompt("the fox", chat=False)
+    a = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3).build(eng))
+    b = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3, mtp_head=str(d)).build(eng))
+    assert a.tokens == b.tokens and a.stats.accepted_per_pos == b.stats.accepted_per_pos
+
+
 LLAMACPP = os.environ.get("MTPLLM_LLAMACPP")  # llama.cpp source tree (vendor/llama.cpp of llama-cpp-python)
 
 
