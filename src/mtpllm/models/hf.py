@@ -33,8 +33,9 @@ from ..speculative.hf_mtp import FLOAT_DTYPES, HFMTPFile
 # config.json model_type -> our architecture
 MODEL_TYPES = {
     "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
-    "qwen3_next": "qwen3next",
+    "qwen3_next": "qwen3next", "qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama",
 }
+HYBRID = ("qwen35", "qwen35moe", "qwen3next")
 MAX_CONFIG_BYTES = 1 << 20  # config.json / tokenizer_config.json are small; a larger one is not a config
 MAX_TOKENIZER_BYTES = 256 << 20
 
@@ -64,7 +65,8 @@ def _reorder_v_heads(t: torch.Tensor, dim: int, n_k: int, r: int, hd: int) -> to
 
 
 class HFModelFile(HFMTPFile):
-    """A whole Hugging Face checkpoint of a supported hybrid architecture, readable like a GGUF file."""
+    """A whole Hugging Face checkpoint of a supported architecture (the hybrids, and dense Qwen2,
+    Qwen3, Llama without rope scaling), readable like a GGUF file."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -104,8 +106,16 @@ class HFModelFile(HFMTPFile):
         n = self._int(cfg, "num_hidden_layers")
         D = self._int(cfg, "hidden_size")
         self.n_layers = n
-        nk, nv = self._int(cfg, "linear_num_key_heads"), self._int(cfg, "linear_num_value_heads")
-        dk, dv = self._int(cfg, "linear_key_head_dim"), self._int(cfg, "linear_value_head_dim")
+        hybrid = arch in HYBRID
+        if hybrid:
+            nk, nv = self._int(cfg, "linear_num_key_heads"), self._int(cfg, "linear_num_value_heads")
+            dk, dv = self._int(cfg, "linear_key_head_dim"), self._int(cfg, "linear_value_head_dim")
+        else:
+            nk = nv = dk = dv = 1
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            if rope.get("rope_type", "default") != "default":
+                raise MtpllmError(f"{self.dir}/config.json: rope_type '{rope.get('rope_type')}' is not supported "
+                                  f"from safetensors; convert the model to GGUF with llama.cpp")
         if nv % nk:
             raise MtpllmError(f"{self.dir}/config.json: {nv} linear value heads not a multiple of {nk} key heads")
         self._heads = (nk, nv // nk, dk, dv)
@@ -157,8 +167,8 @@ class HFModelFile(HFMTPFile):
         hd = int(cfg.get("head_dim") or D // self._int(cfg, "num_attention_heads"))
         rope = cfg.get("rope_parameters") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-        types = cfg.get("layer_types")
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25 if hybrid else 1.0))
+        types = cfg.get("layer_types") if hybrid else ["full_attention"] * n
         if types is None:
             every = int(cfg.get("full_attention_interval", 4))
             types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
@@ -177,10 +187,13 @@ class HFModelFile(HFMTPFile):
             # stored as float32, as in a GGUF file
             a + "attention.layer_norm_rms_epsilon": float(np.float32(cfg.get("rms_norm_eps", 1e-6))),
             a + "rope.freq_base": float(theta), a + "rope.dimension_count": int(hd * partial),
-            a + "ssm.conv_kernel": self._int(cfg, "linear_conv_kernel_dim"), a + "ssm.state_size": dk,
-            a + "ssm.group_count": nk, a + "ssm.time_step_rank": nv, a + "ssm.inner_size": nv * dv,
-            a + "attention.recurrent_layers": [t == "linear_attention" for t in types] + [False] * n_mtp,
         }
+        if hybrid:
+            meta |= {
+                a + "ssm.conv_kernel": self._int(cfg, "linear_conv_kernel_dim"), a + "ssm.state_size": dk,
+                a + "ssm.group_count": nk, a + "ssm.time_step_rank": nv, a + "ssm.inner_size": nv * dv,
+                a + "attention.recurrent_layers": [t == "linear_attention" for t in types] + [False] * n_mtp,
+            }
         if "mrope_section" in rope:
             meta[a + "rope.dimension_sections"] = (list(rope["mrope_section"]) + [0, 0, 0, 0])[:4]
         if n_mtp:
@@ -195,7 +208,15 @@ class HFModelFile(HFMTPFile):
             from ..tokenizer import tokenizer_metadata
             meta.update(tokenizer_metadata(self.dir, cfg))
         self.metadata = meta
-        self._norms = {g for g in self._map if g.endswith("norm.weight") and not g.endswith("ssm_norm.weight")}
+        # zero-centred norms (x̂·(1+w)) in the hybrids only; dense Qwen2/Qwen3/Llama store w itself
+        self._norms = {g for g in self._map if g.endswith("norm.weight") and not g.endswith("ssm_norm.weight")} \
+            if hybrid else set()
+        # llama's GGUF layout has q/k rows permuted for adjacent-pair rotary (llama.cpp's converter)
+        self._permute = {}
+        if arch == "llama":
+            for i in range(n):
+                self._permute[f"blk.{i}.attn_q.weight"] = meta[a + "attention.head_count"]
+                self._permute[f"blk.{i}.attn_k.weight"] = meta[a + "attention.head_count_kv"]
 
     # ---- reading ----------------------------------------------------------------------
     def _hf_shape(self, hf: str) -> tuple[int, ...]:
@@ -253,6 +274,9 @@ class HFModelFile(HFMTPFile):
             t = -torch.exp(t)
         if name in self._norms:
             t = t + 1.0
+        if name in self._permute:
+            from ..speculative.hf_mtp import permute_for_adjacent_rotary
+            t = permute_for_adjacent_rotary(t, self._permute[name])
         return t.contiguous()
 
     def _tile(self, name: str, t: torch.Tensor) -> torch.Tensor:
