@@ -30,8 +30,8 @@ def open_head_file(path: str | Path, trunk_cfg) -> "GGUFFile | HFMTPFile":
         raise MtpllmError(f"{p}: no such MTP head file or directory (expected a GGUF head, a .safetensors "
                           f"file or a Hugging Face model directory)")
     if is_safetensors_source(p):
-        from ..models.hf import HFModelFile, MODEL_TYPES
-        if trunk_cfg.arch in MODEL_TYPES.values():  # a hybrid's checkpoint: its `mtp.*` layer, block n_layers
+        from ..models.hf import HYBRID, HFModelFile
+        if trunk_cfg.arch in HYBRID:  # a hybrid's checkpoint: its `mtp.*` layer, block n_layers
             g = HFModelFile(p)
             if g.arch != trunk_cfg.arch or g.n_layers != trunk_cfg.n_layers:
                 raise MtpllmError(f"{p}: a {g.arch} checkpoint with {g.n_layers} layers; the model is "
