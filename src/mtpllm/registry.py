@@ -149,13 +149,15 @@ def assemble(entry: RegistryEntry, dest_dir: Path | None = None, out=None) -> Pa
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A registry name or a path to a GGUF file -> path of a verified local GGUF file."""
+    """A registry name, a path to a GGUF file, or a Hugging Face checkpoint (a directory with
+    config.json and safetensors, an index file or a .safetensors file) -> its local path."""
     if name_or_path in REGISTRY:
         return assemble(REGISTRY[name_or_path])
     p = Path(name_or_path).expanduser()
     if p.exists():
-        if p.is_dir():
-            raise MtpllmError(f"{p}: is a directory, expected a GGUF file")
+        if p.is_dir() and not (p / "config.json").exists():
+            raise MtpllmError(f"{p}: is a directory without a config.json; expected a GGUF file or a Hugging Face "
+                              f"checkpoint directory")
         return p
     known = ", ".join(REGISTRY)
     raise MtpllmError(f"model '{name_or_path}': no such file, and not a registry name (known: {known})")

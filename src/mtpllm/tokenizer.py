@@ -5,6 +5,8 @@
 - `tokenizer.ggml.model == "llama"`: SentencePiece-style BPE with byte fallback; merges are
   recovered from the vocabulary (Gemma files store none: the token order is the merge order;
   other files: the token scores).
+- `tokenizer.huggingface.json` present (a Hugging Face checkpoint's `tokenizer.json`, see
+  `tokenizer_metadata`): that tokenizer as it is.
 Control tokens are matched whole; `add_bos`/`add_eos` are honoured.
 
 The metadata is untrusted input: types, lengths, token ids and merges are checked (each merge's
@@ -147,7 +149,9 @@ class GGUFTokenizer:
         self.vocab_size = len(tokens)
         self.tokens = tokens
         try:
-            if kind == "gpt2":
+            if meta.get("tokenizer.huggingface.json"):  # a Hugging Face checkpoint's tokenizer.json
+                tk = Tokenizer.from_str(meta["tokenizer.huggingface.json"])
+            elif kind == "gpt2":
                 tk = self._byte_level(meta, tokens, where)
             elif kind == "llama":
                 tk = self._sentencepiece(meta, tokens, arch, where)
@@ -268,6 +272,63 @@ class GGUFTokenizer:
                                     bos_token=self.tokens[self.bos_id] if self.bos_id is not None else "",
                                     eos_token=self.tokens[self.eos_id] if self.eos_id is not None else "",
                                     **extra)
+
+
+def tokenizer_metadata(d, config: dict | None = None) -> dict:
+    """GGUF tokenizer metadata for a Hugging Face checkpoint directory `d`: its `tokenizer.json`
+    whole (`tokenizer.huggingface.json`), the token list in id order with the added special tokens
+    typed as control tokens, bos/eos from `tokenizer_config.json` (else `config.json`), and the chat
+    template (`chat_template.jinja` or `tokenizer_config.json`)."""
+    from pathlib import Path
+    d = Path(d)
+    f = d / "tokenizer.json"
+    if f.stat().st_size > 256 << 20:
+        raise MtpllmError(f"{f}: {f.stat().st_size} bytes is not a tokenizer")
+    text = f.read_text(encoding="utf-8")
+    try:
+        tk = Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises its own exception type
+        raise MtpllmError(f"{f}: not a readable tokenizer ({exc})") from None
+    vocab = tk.get_vocab(with_added_tokens=True)
+    n = max(vocab.values()) + 1 if vocab else 0
+    tokens = [""] * n
+    for t, i in vocab.items():
+        tokens[i] = t
+    types = [1] * n
+    for i, added in tk.get_added_tokens_decoder().items():
+        if added.special and i < n:
+            types[i] = TOKEN_TYPE_CONTROL
+    tc = {}
+    if (d / "tokenizer_config.json").exists():
+        try:
+            tc = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise MtpllmError(f"{d / 'tokenizer_config.json'}: not readable JSON ({exc})") from None
+        tc = tc if isinstance(tc, dict) else {}
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.huggingface.json": text, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_bos_token": False}
+
+    def token_id(v):
+        if isinstance(v, dict):
+            v = v.get("content")
+        return vocab.get(v) if isinstance(v, str) else None
+
+    for key, name in (("bos", "tokenizer.ggml.bos_token_id"), ("eos", "tokenizer.ggml.eos_token_id")):
+        tid = token_id(tc.get(f"{key}_token"))
+        if tid is None and config is not None:
+            v = config.get(f"{key}_token_id")
+            v = v[0] if isinstance(v, list) and v else v
+            tid = v if isinstance(v, int) and 0 <= v < n else None
+        if tid is not None:
+            meta[name] = tid
+    if tc.get("add_bos_token") and "tokenizer.ggml.bos_token_id" in meta:
+        meta["tokenizer.ggml.add_bos_token"] = True
+    tmpl = d / "chat_template.jinja"
+    if tmpl.exists():
+        meta["tokenizer.chat_template"] = tmpl.read_text(encoding="utf-8")
+    elif isinstance(tc.get("chat_template"), str):
+        meta["tokenizer.chat_template"] = tc["chat_template"]
+    return meta
 
 
 def _raise_exception(msg):

@@ -1,8 +1,13 @@
-"""The decoder-only transformer shared by all architectures, and the GGUF loader.
+"""The decoder-only transformer shared by the dense architectures, and the model loader.
 
-Contract of an architecture file (`qwen2.py`, `gemma3.py`, ...): a module-level
-`adjust_config(g, cfg: dict)` that sets the architecture's flags from GGUF metadata.
-Everything else (tensor names, blocks) is common and driven by the config flags.
+Contract of an architecture file (`qwen2.py`, `gemma3.py`, `qwen35.py`, ...), module level:
+  adjust_config(g, cfg: dict)    set the architecture's config fields from GGUF metadata (required)
+  CONFIG                         its config dataclass (default `ModelConfig`)
+  load_model(g, mode, cfg)       build its own model class from GGUF-named tensors (default: the
+                                 shared `Transformer` below, driven by the config flags)
+  build_mtp_block(g, cfg, L, mode)  its MTP block type (default: the shared `Block`)
+  HF_MAP, HF_MTP_MAP             Hugging Face -> GGUF tensor names, for checkpoints read in place
+                                 (`models/hf.py`)
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from ..runtime.linear import GEMM_MIN_ROWS, NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import MLP, Attention, Block, RMSNorm, Rotary, cached_stack, native_rows, rope_inv_freq, run_stack
 
-ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3")
+ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3", "qwen35", "qwen35moe", "qwen3next")
 
 
 class _ArchRegistry(dict):
@@ -76,7 +81,10 @@ def cache_windows(cfg: ModelConfig) -> tuple[int, ...]:
 
 def model_kv_bytes(cfg: ModelConfig, n_ctx: int) -> int:
     """KV-cache bytes for a context of n_ctx tokens: trunk and in-file MTP layers, sliding layers
-    counted at their ring size (what `make_cache` allocates)."""
+    counted at their ring size (what `make_cache` allocates); an architecture with other state
+    (recurrent layers) says itself (`cfg.cache_bytes`)."""
+    if hasattr(cfg, "cache_bytes"):
+        return cfg.cache_bytes(n_ctx)
     return kv_cache_bytes(cfg.n_layers + cfg.n_nextn, cfg.n_kv_heads, cfg.head_dim, n_ctx,
                           windows=cache_windows(cfg))
 
@@ -210,10 +218,14 @@ def make_rotaries(g: GGUFFile, cfg: ModelConfig) -> tuple[Rotary, Rotary]:
 
 def load_model(path: str | Path, mode: str = "fast", cfg_overrides: dict | None = None,
                gguf_file: GGUFFile | None = None) -> Transformer:
-    """Load a GGUF model. mode: "fast" (compressed kernels) or "f32" (everything dequantized)."""
+    """Load a GGUF model, or a Hugging Face checkpoint of an architecture that `models/hf.py` reads.
+    mode: "fast" (compressed kernels) or "f32" (everything dequantized)."""
     if mode not in ("fast", "f32"):
         raise MtpllmError(f"unknown weight mode '{mode}' (fast|f32)")
-    g = gguf_file or GGUFFile(path)
+    if gguf_file is None:
+        from .hf import open_model_file
+        gguf_file = open_model_file(path)
+    g = gguf_file
     cfg = config_from_gguf(g)
     for k, v in (cfg_overrides or {}).items():
         if k.startswith("rope."):
@@ -221,6 +233,9 @@ def load_model(path: str | Path, mode: str = "fast", cfg_overrides: dict | None 
         else:
             setattr(cfg, k, v)
     cfg.rope.__post_init__()
+    arch = ARCHITECTURES[cfg.arch]
+    if hasattr(arch, "load_model"):  # an architecture with its own model class
+        return arch.load_model(g, mode, cfg)
     full_rot, swa_rot = make_rotaries(g, cfg)
     blocks = []
     for i in range(cfg.n_layers):

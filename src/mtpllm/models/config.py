@@ -207,16 +207,18 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
     meta_int(g, p + "attention.value_length", head_dim, hi=MAX_HEAD_DIM)
     meta_float(g, p + "final_logit_softcapping", 0.0, hi=1e6)
     meta_float(g, p + "attn_logit_softcapping", 0.0, hi=1e6)
-    ARCHITECTURES[arch].adjust_config(g, cfg)
+    mod = ARCHITECTURES[arch]
+    mod.adjust_config(g, cfg)
     if not rope_dim:
         rope.dim = cfg["head_dim"]
     if not 1 <= vocab <= MAX_VOCAB:
         raise MtpllmError(f"{g.path}: tensor 'token_embd.weight' has {vocab} rows, expected 1 to {MAX_VOCAB}")
     try:
-        out = ModelConfig(**cfg)
+        out = getattr(mod, "CONFIG", ModelConfig)(**cfg)
     except MtpllmError as exc:
         raise MtpllmError(f"{g.path}: {exc}") from None
-    check_tensors(g, out)
+    if not hasattr(mod, "CONFIG"):  # the dense layout; an architecture with its own config checks its tensors
+        check_tensors(g, out)
     return out
 
 

@@ -1,4 +1,5 @@
 """Qwen3 dense: no qkv bias, per-head RMSNorm on q and k before rotary."""
+from .qwen2 import HF_MAP, HF_MTP_MAP  # noqa: F401  (the same Hugging Face names)
 
 
 def adjust_config(g, cfg: dict) -> None:

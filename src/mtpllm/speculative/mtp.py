@@ -15,7 +15,7 @@ import torch
 from ..errors import MtpllmError
 from ..gguf.quants import SUPPORTED_TYPES
 from ..gguf.reader import GGUFFile
-from ..models.base import Embedding, build_block, make_rotaries, _norm
+from ..models.base import ARCHITECTURES, Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
@@ -31,6 +31,13 @@ def open_head_file(path: str | Path, trunk_cfg) -> "GGUFFile | HFMTPFile":
         raise MtpllmError(f"{p}: no such MTP head file or directory (expected a GGUF head, a .safetensors "
                           f"file or a Hugging Face model directory)")
     if is_safetensors_source(p):
+        from ..models.hf import HYBRID, HFModelFile
+        if trunk_cfg.arch in HYBRID:  # a hybrid's checkpoint: its `mtp.*` layer, block n_layers
+            g = HFModelFile(p)
+            if g.arch != trunk_cfg.arch or g.n_layers != trunk_cfg.n_layers:
+                raise MtpllmError(f"{p}: a {g.arch} checkpoint with {g.n_layers} layers; the model is "
+                                  f"{trunk_cfg.arch} with {trunk_cfg.n_layers}")
+            return g
         return HFMTPFile(p, trunk_cfg)
     return GGUFFile(p)
 
@@ -63,12 +70,16 @@ def load_mtp_head(g: "GGUFFile | HFMTPFile", trunk, mode: str = "fast", layer: i
     if eh.shape != (tcfg.d_model, 2 * tcfg.d_model):
         raise MtpllmError(f"{g.path}: {_shown(g, p + 'nextn.eh_proj.weight')} has shape {list(eh.shape)}, expected "
                           f"[{tcfg.d_model}, {2 * tcfg.d_model}] for this model")
-    _check_block_shapes(g, tcfg, p)
-    full_rot, _ = make_rotaries(trunk.gguf, tcfg)
-    # the head's block may differ from the trunk's in optional parts: its own tensors decide
-    cfg = replace(tcfg, qkv_bias=p + "attn_q.bias" in g, qk_norm=p + "attn_q_norm.weight" in g,
-                  sandwich_norm=p + "post_ffw_norm.weight" in g)
-    block = build_block(g, cfg, L, full_rot, mode)
+    arch_mod = ARCHITECTURES[tcfg.arch]
+    if hasattr(arch_mod, "build_mtp_block"):  # an architecture with its own block type (qwen35: gated attention)
+        block = arch_mod.build_mtp_block(g, tcfg, L, mode)
+    else:
+        _check_block_shapes(g, tcfg, p)
+        full_rot, _ = make_rotaries(trunk.gguf, tcfg)
+        # the head's block may differ from the trunk's in optional parts: its own tensors decide
+        cfg = replace(tcfg, qkv_bias=p + "attn_q.bias" in g, qk_norm=p + "attn_q_norm.weight" in g,
+                      sandwich_norm=p + "post_ffw_norm.weight" in g)
+        block = build_block(g, cfg, L, full_rot, mode)
     eps = tcfg.norm_eps
     lm_head = make_linear(g, [p + "nextn.shared_head_head.weight"], mode=mode) \
         if p + "nextn.shared_head_head.weight" in g else None

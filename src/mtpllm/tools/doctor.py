@@ -244,13 +244,17 @@ def _memory(g, cfg, ctx: int, mode: str, r: Report) -> None:
     need = w + kv + OVERHEAD_BYTES
     avail = available_memory()
     gib = 2 ** 30
-    msg = (f"weights ~{w / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB (context {ctx}) + runtime "
-           f"{OVERHEAD_BYTES / gib:.2f} GiB = {need / gib:.2f} GiB")
+    rec = cfg.recurrent_bytes() if hasattr(cfg, "recurrent_bytes") else 0  # hybrid: DeltaNet state
+    state = f"KV cache {(kv - rec) / gib:.2f} GiB (context {ctx})"
+    if rec:
+        state += (f" + recurrent state {rec / gib:.3f} GiB ({cfg.n_recurrent} DeltaNet layers, with the "
+                  f"per-verification-row slots speculation rolls back to)")
+    msg = f"weights ~{w / gib:.2f} GiB + {state} + runtime {OVERHEAD_BYTES / gib:.2f} GiB = {need / gib:.2f} GiB"
     if not avail:
         r.add("memory", "info", msg + "; available memory unknown")
     elif need > 0.9 * avail:
-        per_tok = kv / ctx
-        fits = max(0, int((0.9 * avail - w - OVERHEAD_BYTES) / per_tok)) // 256 * 256
+        per_tok = (kv - rec) / ctx
+        fits = max(0, int((0.9 * avail - w - rec - OVERHEAD_BYTES) / per_tok)) // 256 * 256
         r.add("memory", "fail", msg + f" > {avail / gib:.2f} GiB available; the largest context that fits is "
                                       f"about {fits} tokens")
     else:

@@ -89,6 +89,11 @@ def inspect_file(path: str | Path) -> dict:
         d["swa_layers"] = sum(cfg.swa_layers) if cfg.swa_layers else 0
         n_params = sum(_numel(t.shape) for t in g.tensors.values())
         out["architecture"] = dict(d, n_params=n_params)
+        if hasattr(cfg, "layer_pattern"):  # a hybrid: which layers keep a KV cache, which a recurrent state
+            out["architecture"]["recurrent"] = cfg.n_recurrent
+            out["architecture"]["layer_pattern"] = cfg.layer_pattern()
+            out["architecture"]["recurrent_state_bytes"] = cfg.recurrent_bytes()
+            out["architecture"]["kv_bytes_per_token"] = cfg.cache_bytes(1) - cfg.recurrent_bytes()
         out["rope"] = dict(asdict(cfg.rope), context_length=cfg.ctx_len)
     except MtpllmError as exc:
         if mtp["kind"] == "head-only file":  # no trunk here: describe the head's own shape
@@ -162,6 +167,18 @@ def format_text(r: dict, all_tensors: bool = False) -> str:
             extras.append(f"sliding window {a['sliding_window']} on {a['swa_layers']} layers")
         if extras:
             lines.append("  " + ", ".join(extras))
+        if a.get("layer_pattern"):
+            n_att = a["n_layers"] - a["recurrent"]
+            lines.append(f"  layers: {a['layer_pattern']} (L = Gated DeltaNet, A = gated full attention): "
+                         f"{a['recurrent']} linear, {n_att} full attention")
+            lines.append(f"  DeltaNet: {a['ssm_k_heads']} key / {a['ssm_v_heads']} value heads, head dims "
+                         f"{a['ssm_k_dim']}/{a['ssm_v_dim']}, conv kernel {a['conv_kernel']}")
+            if a.get("n_experts"):
+                lines.append(f"  MoE: {a['n_experts']} experts, {a['n_experts_used']} used, expert ffn "
+                             f"{a['expert_ffn']}, shared expert ffn {a['shared_ffn']}")
+            lines.append(f"  state per sequence: KV {a['kv_bytes_per_token']:,d} bytes per token (attention and "
+                         f"MTP layers) + recurrent {_mib(a['recurrent_state_bytes'])} (context-independent, "
+                         f"with the per-verification-row slots speculation rolls back to)")
     lines.append("\n== rope")
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in r["rope"].items()))
     m = r["mtp"]

@@ -1,0 +1,169 @@
+"""Tiny random Qwen3.5-family checkpoints in Hugging Face's layout (config.json, safetensors,
+tokenizer.json), written with transformers' own model classes, plus the model's MTP layer
+(`mtp.*`, which transformers does not model: random tensors in the released layout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tiny import gpt2_vocab
+
+# value heads twice the key heads (grouped like the real models), key/value head dims differ so a
+# swapped dimension cannot go unnoticed
+DENSE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=512,
+    tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+)
+MOE = dict(DENSE, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+           num_experts_per_tok=2)
+NEXT = dict(MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+KINDS = {"qwen35": "Qwen3_5", "qwen35moe": "Qwen3_5Moe", "qwen3next": "Qwen3Next"}
+
+
+def _classes(kind: str):
+    import transformers as tf
+    if kind == "qwen35":
+        return tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, DENSE
+    if kind == "qwen35moe":
+        return tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, MOE
+    if kind == "qwen3next":
+        return tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, NEXT
+    raise ValueError(kind)
+
+
+def write_tokenizer(d: Path) -> int:
+    """tokenizer.json (byte-level BPE: the tiny GGUF models' vocabulary) + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokens, meta = gpt2_vocab()
+    specials = [t for t in tokens if t.startswith("<|")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split()) for m in meta["tokenizer.ggml.merges"]]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(specials)
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": meta["tokenizer.chat_template"], "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 512}))
+    return len(tokens)
+
+
+def _mtp_tensors(cfg: dict, gen: torch.Generator, echo: float = 0.0) -> dict[str, torch.Tensor]:
+    """The MTP layer in the released layout: fc (2D -> D, embedding half first), two pre-fc norms,
+    one full-attention decoder layer, the final norm. Norms stored zero-centred (around 0).
+
+    echo > 0: a head that mostly passes the token's embedding through (fc = [I | noise], the block's
+    output projections scaled by `echo`): it drafts what the trunk's residual stream, dominated by
+    the embedding in these tiny models, says after that token alone, a bigram guess that is right
+    often but far from always, so speculation sees acceptances and rejections at every position."""
+    D, H, KV, hd, F = (cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                        "intermediate_size"))
+
+    def w(*shape, s=0.08):
+        return torch.randn(*shape, generator=gen) * s
+
+    def norm(n):
+        return torch.randn(n, generator=gen) * 0.1
+
+    p = "mtp.layers.0."
+    t = {"mtp.fc.weight": w(D, 2 * D), "mtp.pre_fc_norm_embedding.weight": norm(D),
+         "mtp.pre_fc_norm_hidden.weight": norm(D), "mtp.norm.weight": norm(D),
+         p + "input_layernorm.weight": norm(D), p + "post_attention_layernorm.weight": norm(D),
+         p + "self_attn.q_proj.weight": w(2 * H * hd, D), p + "self_attn.k_proj.weight": w(KV * hd, D),
+         p + "self_attn.v_proj.weight": w(KV * hd, D), p + "self_attn.o_proj.weight": w(D, H * hd),
+         p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
+    if "num_experts" in cfg:
+        E, Fe, Fs = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+        t |= {p + "mlp.gate.weight": w(E, D), p + "mlp.shared_expert_gate.weight": w(1, D),
+              p + "mlp.shared_expert.gate_proj.weight": w(Fs, D), p + "mlp.shared_expert.up_proj.weight": w(Fs, D),
+              p + "mlp.shared_expert.down_proj.weight": w(D, Fs)}
+        for e in range(E):
+            t |= {p + f"mlp.experts.{e}.gate_proj.weight": w(Fe, D), p + f"mlp.experts.{e}.up_proj.weight": w(Fe, D),
+                  p + f"mlp.experts.{e}.down_proj.weight": w(D, Fe)}
+    else:
+        t |= {p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D), p + "mlp.down_proj.weight": w(D, F)}
+    if echo:
+        t["mtp.fc.weight"] = torch.cat([torch.eye(D), w(D, D, s=0.02)], dim=1)
+        for n in list(t):
+            if n.endswith(("o_proj.weight", "down_proj.weight")):
+                t[n] = t[n] * echo
+            elif "norm" in n:
+                t[n] = t[n] * 0.1
+    return t
+
+
+def make_tiny_hf(d: str | Path, kind: str = "qwen35", seed: int = 0, mtp: bool = True, echo: float = 0.0,
+                 **overrides):
+    """Write a tiny random `kind` checkpoint (qwen35 | qwen35moe | qwen3next) to directory d.
+    Returns (directory, the transformers model in eval mode, float32)."""
+    from safetensors.torch import save_file
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    Config, Model, base = _classes(kind)
+    vocab = write_tokenizer(d)
+    cfg = dict(base, vocab_size=vocab, eos_token_id=vocab - 1, **overrides)
+    if kind == "qwen3next":  # Qwen3-Next's config knows no mrope sections
+        cfg["rope_parameters"] = {k: v for k, v in cfg["rope_parameters"].items() if not k.startswith("mrope")}
+    torch.manual_seed(seed)
+    model = Model(Config(**cfg)).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # transformers initialises norms to their neutral value and A_log/dt_bias to fixed
+            # ranges; random values everywhere make every term of the computation count
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "experts" in name or name.endswith("gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "embed" in name else 0.08))
+    model.config.architectures = [Model.__name__]
+    model.config.save_pretrained(d)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if mtp:
+        state |= _mtp_tensors(cfg, gen, echo)
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, model
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits [T, V] for one sequence (float32, no cache)."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+
+
+def hf_to_gguf(src, out, qtype=None) -> Path:
+    """Write the checkpoint at `src` as a GGUF file in llama.cpp's layout, through `HFModelFile`
+    (names, metadata and tensor transforms as llama.cpp's converter; `test_qwen35.py` checks that
+    against the converter itself when MTPLLM_LLAMACPP points at its source). qtype: store the 2-D
+    matrices whose rows allow it in that block type (norms, conv, A, dt and router stay F32)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+    from mtpllm.gguf.writer import quantize, write_gguf
+    from mtpllm.models.hf import HFModelFile
+    h = HFModelFile(src)
+    arch = h.arch
+    meta = {k: v for k, v in h.metadata.items() if k != "general.architecture"}
+    tensors = {}
+    for name in h.tensors:
+        t = h.load(name).numpy()
+        q = QT.F32
+        if qtype is not None and t.ndim >= 2 and t.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 \
+                and not name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+            q = qtype
+        tensors[name] = (quantize(np.ascontiguousarray(t), q), q)
+    return write_gguf(out, arch, meta, tensors)
