@@ -41,7 +41,8 @@ class ServerProcess:
             time.sleep(0.2)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def terminate(self) -> None:
