@@ -189,3 +189,57 @@ def test_serve_command_real_model_with_mtp():
         proc.wait(timeout=30)
     eng = Engine.load("qwen2.5-coder-0.5b", n_ctx=1024)
     assert text == eng.generate(messages=msgs, params=SamplingParams(temperature=0, max_tokens=32)).text
+
+
+def test_an_exception_in_one_request_fails_that_request_only(engine):
+    """A fault inside generation: a 500 with a JSON body for that request (an error event for a stream);
+    the server goes on serving."""
+    server = Server(engine, "srv.gguf")
+    c = TestClient(create_app(server, access_log=False), raise_server_exceptions=False)
+    real = engine.stream
+
+    def broken(*a, **k):  # two tokens, then a fault
+        for i, r in enumerate(real(*a, **k)):
+            if i == 2:
+                raise RuntimeError("boom")
+            yield r
+    engine.stream = broken
+    try:
+        body = {"prompt": "the cat", "temperature": 0, "max_tokens": 50, "ignore_eos": True}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "boom" not in r.text  # internals stay in the server's log
+        ev = _events(c.post("/v1/completions", json={**body, "stream": True}))
+        assert ev[-1]["error"]["code"] == 500
+    finally:
+        engine.stream = real
+    assert c.post("/v1/completions", json={"prompt": "the cat", **GREEDY}).json()["usage"]["completion_tokens"] == 12
+    assert server.busy == 0 and server.waiting == 0
+
+
+def test_a_full_queue_is_429_with_retry_after(engine):
+    import threading
+    server = Server(engine, "srv.gguf", max_queue=0)  # one generating, none waiting
+    c = TestClient(create_app(server, access_log=False))
+    gate = threading.Event()
+    real = engine.stream
+
+    def held(*a, **k):  # the first request holds its slot until the gate opens
+        for r in real(*a, **k):
+            gate.wait(10)
+            yield r
+    engine.stream = held
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})))
+        t.start()
+        while server.busy == 0:
+            gate.wait(0.01)
+        r = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert "busy" in r.json()["error"]["message"]
+        gate.set()
+        t.join(30)
+    finally:
+        engine.stream = real
+    assert out["r"].status_code == 200 and server.busy == 0
