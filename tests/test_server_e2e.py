@@ -436,3 +436,30 @@ def test_access_log_lines(srv, http):
     assert mine and mine[-1]["method"] == "POST" and mine[-1]["status"] == 200 and mine[-1]["duration_ms"] > 0
     assert mine[-1]["prompt_tokens"] > 0
     assert any(x["status"] == 401 for x in lines)
+
+
+def test_chat_completion_with_timings_per_token(http):
+    # llama.cpp: test_chat_completion.py::test_chat_completion_with_timings_per_token
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json={
+            "max_tokens": 10, "messages": [{"role": "user", "content": "test"}], "stream": True,
+            "stream_options": {"include_usage": True}, "timings_per_token": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None} and "timings" not in events[0]
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:] if e["choices"])
+    assert all("timings" in e for e in events[1:])
+    last = events[-1]
+    assert last["choices"] == [] and last["timings"]["predicted_n"] <= 10 and "predicted_per_second" in last["timings"]
+
+
+def test_completion_response_fields(http):
+    # llama.cpp: test_completion.py::test_completion_response_fields
+    d = http.post("/completion", json={"prompt": "I believe the meaning of life is", "n_predict": 8,
+                                       "response_fields": ["content", "generation_settings/n_predict", "prompt"]}).json()
+    assert set(d) == {"content", "generation_settings/n_predict", "prompt"}
+    assert d["generation_settings/n_predict"] == 8 and d["prompt"] == "I believe the meaning of life is"
+    full = http.post("/completion", json={"prompt": "I believe the meaning of life is", "n_predict": 8,
+                                          "ignore_eos": True}).json()
+    assert "generation_settings" in full and len(full["content"]) > 0

@@ -298,9 +298,13 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
 
         def chunk(text, fin):
             if chat:
-                return {**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
-                                             "logprobs": None, "finish_reason": fin}]}
-            return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}
+                c = {**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
+                                          "logprobs": None, "finish_reason": fin}]}
+            else:
+                c = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}
+            if job.extra["timings_per_token"]:
+                c["timings"] = timings(g)
+            return c
 
         async def events():
             try:
@@ -363,7 +367,9 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         if not job.stream:
             text = await g.collect(request)
             note(request, prompt_tokens=len(job.ids), completion_tokens=len(g.tokens))
-            return final(job, g, text)
+            out = final(job, g, text)
+            fields = job.extra["response_fields"]
+            return P.pick_fields(out, fields) if fields else out
 
         async def events():
             parts = []

@@ -61,7 +61,9 @@ class Server:
         return P.Job(ids, params, stream=P.get_bool(body, "stream"),
                      include_usage=P.get_bool(so, "include_usage") if kind != "completion" else False,
                      return_tokens=P.get_bool(body, "return_tokens"), prompt=text,
-                     extra={"cache_prompt": P.get_bool(body, "cache_prompt", True)})
+                     extra={"cache_prompt": P.get_bool(body, "cache_prompt", True),
+                            "timings_per_token": P.get_bool(body, "timings_per_token"),
+                            "response_fields": P.response_fields(body)})
 
     def check_context(self, ids: list[int]) -> None:
         n_ctx = self.engine.n_ctx
@@ -106,8 +108,10 @@ class Server:
     # ------------------------------------------------------------------ generation
     def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event) -> Iterator:
         """The Responses of one generation (the engine's, one per token, the last with a
-        finish_reason). Stops at the next token once `cancel` is set, waiting or running.
-        The caller has `admit`ted the request; this generator counts it out when it ends.
+        finish_reason). Runs in a worker thread, one per request. Contract with the HTTP layer:
+        stop at the next token once `cancel` is set (waiting for a slot or generating); call
+        `_started()` when the sequence gets a slot and `_left(started)` when it ends (the caller has
+        `admit`ted it); an exception fails this request only.
 
         Today: one sequence at a time on a lock, the engine's prefix cache reused between requests."""
         started = False

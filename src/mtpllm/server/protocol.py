@@ -402,6 +402,27 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
 
 
+def response_fields(body: dict) -> list[str] | None:
+    """llama.cpp's `response_fields`: the /completion answer keeps only these ("a/b" reaches into objects)."""
+    v = body.get("response_fields")
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise BadRequest("'response_fields' must be a list of field names", "response_fields")
+    return v
+
+
+def pick_fields(d: dict, fields: list[str]) -> dict:
+    out = {}
+    for f in fields:
+        v = d
+        for k in f.split("/"):
+            v = v.get(k) if isinstance(v, dict) else None
+        if v is not None:
+            out[f] = v
+    return out
+
+
 @dataclass
 class Job:
     """A validated generation request."""
