@@ -150,6 +150,17 @@ def test_cli_serve_rejects_bad_options(capsys):
     assert main(["serve", "--port", "70000"]) == 1
     assert "--port must be at most 65535" in capsys.readouterr().err
     assert main(["serve", "--spec-type", "bogus"]) == 1
+    assert main(["serve", "--shutdown-timeout", "-1"]) == 1
+    assert "--shutdown-timeout must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--api-key", "two words"]) == 1
+    assert "--api-key must be" in capsys.readouterr().err
+
+
+def test_cli_serve_reads_the_key_from_the_environment(monkeypatch, capsys):
+    from mtpllm.cli import main
+    monkeypatch.setenv("MTPLLM_API_KEY", "bad key")  # checked before the model loads
+    assert main(["serve"]) == 1
+    assert "--api-key must be" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -463,3 +463,19 @@ def test_completion_response_fields(http):
     full = http.post("/completion", json={"prompt": "I believe the meaning of life is", "n_predict": 8,
                                           "ignore_eos": True}).json()
     assert "generation_settings" in full and len(full["content"]) > 0
+
+
+def test_default_bind_is_loopback_only(srv):
+    """Started without --host: reachable on 127.0.0.1, not on this machine's network address."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            ip = None
+    if ip is None or ip.startswith("127."):
+        pytest.skip("this machine has no non-loopback address")
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://{ip}:{srv.port}/health", timeout=2)
+    assert httpx.get(f"http://127.0.0.1:{srv.port}/health").status_code == 200

@@ -107,10 +107,10 @@ class Generation:
                         m.token_latency.observe(now - t_prev)
                     t_prev = now
                 self.last = r
-                yield r
-                if r.finish_reason is not None:
+                if r.finish_reason is not None:  # before the yield: the consumer may stop at this one
                     self.finished = True
                     outcome = r.finish_reason
+                yield r
         finally:
             if not self.finished:
                 self.cancel.set()
