@@ -479,3 +479,54 @@ def test_default_bind_is_loopback_only(srv):
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://{ip}:{srv.port}/health", timeout=2)
     assert httpx.get(f"http://127.0.0.1:{srv.port}/health").status_code == 200
+
+
+@pytest.mark.parametrize("n_predict,fills", [(64, False), (-1, True)])
+def test_generation_to_the_end_of_the_context(http, n_predict, fills):
+    # llama.cpp: test_ctx_shift.py::test_ctx_shift_disabled_short_prompt (no context shift here)
+    d = http.post("/completion", json={"prompt": "Hi how are you", "n_predict": n_predict, "ignore_eos": True,
+                                       "temperature": 0}).json()
+    if fills:
+        assert CTX - 2 <= d["tokens_evaluated"] + d["tokens_predicted"] <= CTX
+    else:
+        assert d["tokens_predicted"] == 64
+    assert d["truncated"] is fills and d["stop_type"] == "limit"
+
+
+def test_openai_stream_to_the_length_limit(http):
+    # llama.cpp: test_ctx_shift.py::test_ctx_shift_disabled_stream (n_predict accepted on /v1/completions)
+    content, fins = "", []
+    with http.stream("POST", "/v1/completions", json={"n_predict": 256, "prompt": "Once", "stream": True,
+                                                      "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["finish_reason"] is None:
+                    content += choice["text"]
+                else:
+                    fins.append(choice["finish_reason"])
+    assert fins == ["length"] and len(content) > 0
+
+
+def test_speculation_near_the_end_of_the_context(http, engine):
+    # llama.cpp: test_speculative.py::test_slot_ctx_not_exceeded and ::test_with_and_without_draft
+    # (the server runs MTP; the in-process engine is plain)
+    ids = engine.tokenizer.encode("Hello " * 4000)[:CTX - 10]
+    d = http.post("/completion", json={"prompt": ids, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                                       "return_tokens": True}).json()
+    room = CTX - len(ids) - 1  # n_predict's default: to the end of the context
+    ref = engine.generate(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=room, ignore_eos=True))
+    assert d["tokens"] == ref.tokens and len(ref.tokens) == room and d["truncated"] is True
+
+
+def test_prompt_cache_metrics(http):
+    # llama.cpp: test_metrics.py::test_prompt_cache_metrics (our metric names)
+    req = {"prompt": "I believe the meaning of life is", "temperature": 0.0, "top_k": 1, "n_predict": 8,
+           "cache_prompt": True}
+    assert http.post("/completion", json={**req, "prompt": "something else first"}).status_code == 200
+    http.post("/completion", json=req)
+    before = metric(http.get("/metrics").text, "mtpllm_prompt_tokens_cached_total")
+    d = http.post("/completion", json=req).json()
+    assert d["timings"]["cache_n"] > 0 and d["tokens_cached"] == d["timings"]["cache_n"]
+    after = metric(http.get("/metrics").text, "mtpllm_prompt_tokens_cached_total")
+    assert after - before == d["timings"]["cache_n"]

@@ -356,7 +356,9 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         return {"index": 0, "content": text, "tokens": list(g.tokens) if job.return_tokens else [], "id_slot": 0,
                 "stop": True, "model": server.model_id, "tokens_predicted": len(g.tokens),
                 "tokens_evaluated": len(job.ids), "generation_settings": settings(job.params),
-                "prompt": job.prompt, "has_new_line": "\n" in text, "truncated": False, "stop_type": stop_type,
+                "prompt": job.prompt, "has_new_line": "\n" in text, "stop_type": stop_type,
+                # llama.cpp: the context filled up (prompts themselves are never cut: too long is a 400)
+                "truncated": stop_type == "limit" and len(job.ids) + len(g.tokens) >= eng.n_ctx - 1,
                 "stopping_word": word, "tokens_cached": (t.cached_n if t else 0), "timings": timings(g)}
 
     async def llama_completion(request: Request):

@@ -55,7 +55,7 @@ class Server:
         if kind == "completion":
             params = P.sampling_params(body, self.defaults, ("n_predict", "max_tokens"), room, tok, self.engine.n_ctx)
         else:
-            params = P.sampling_params(body, self.defaults, ("max_completion_tokens", "max_tokens"),
+            params = P.sampling_params(body, self.defaults, ("max_completion_tokens", "max_tokens", "n_predict"),
                                        16 if kind == "completions" else room, tok, self.engine.n_ctx)
         so = body.get("stream_options") or {}
         return P.Job(ids, params, stream=P.get_bool(body, "stream"),
