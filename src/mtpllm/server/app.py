@@ -84,7 +84,8 @@ class Generation:
         except Exception as exc:  # fails this request only
             log.exception("generation failed")
             self._put(exc)
-        self._put(None)
+        finally:
+            self._put(None)
 
     async def items(self):
         m = self.server.metrics
@@ -146,7 +147,9 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
     eng = server.engine
     tok = eng.tokenizer
 
-    # outermost first: the access log sees every answer, CORS headers go on errors too
+    # each add_middleware wraps the ones before: the access log (outermost) sees every answer, CORS
+    # answers preflights before the key is asked for and puts its headers on 401s, and the body
+    # limit is only reached with a valid key
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
