@@ -166,7 +166,8 @@ def test_cli_serve_reads_the_key_from_the_environment(monkeypatch, capsys):
 @pytest.mark.slow
 def test_serve_command_real_model_with_mtp():
     """`mtpllm serve` as users start it: the default model with its shipped MTP head behind uvicorn,
-    an OpenAI chat request over a socket, the same answer as the engine's plain greedy decoding."""
+    an OpenAI chat request over a socket (raw and through the openai package, streaming), the same
+    answer as the engine's plain greedy decoding."""
     import socket
     import subprocess
     import sys
@@ -195,6 +196,16 @@ def test_serve_command_real_model_with_mtp():
         assert d["timings"]["draft_n"] > 0 and d["usage"]["completion_tokens"] > 0
         bad = httpx.post(url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
         assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+        # the official client, streaming: the same text; the speculative counters in /metrics
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        chunks = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=msgs, temperature=0,
+                                                max_tokens=32, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        from server_proc import metric
+        m = httpx.get(url + "/metrics", timeout=30).text
+        drafted = metric(m, "mtpllm_spec_draft_tokens_total", method="mtp:2")
+        assert drafted >= 2 * d["timings"]["draft_n"] and metric(m, "mtpllm_spec_accepted_tokens_total") > 0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
