@@ -366,8 +366,9 @@ def cmd_serve(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="mtpllm serve",
         description="HTTP server with OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and "
-                    "llama.cpp-compatible (/completion, /tokenize, /detokenize, /health, /props) endpoints. "
-                    "Sampling options set the defaults of requests that leave them out.")
+                    "llama.cpp-compatible (/completion, /tokenize, /detokenize, /apply-template, /health, /props, "
+                    "/slots) endpoints, and Prometheus metrics (/metrics). Sampling options set the defaults of "
+                    "requests that leave them out. User guide: docs/server.md.")
     add_model_args(ap)
     add_sampling_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
