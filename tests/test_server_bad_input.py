@@ -13,6 +13,7 @@ from mtpllm.runtime.engine import Engine  # noqa: E402
 from mtpllm.server import Server, create_app  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 
+VOCAB = 273  # tokens of tiny.py's byte-level vocabulary (256 bytes, 14 merges, 3 control tokens)
 LIMIT = 64 * 1024  # a small body limit for this app, to test the 413 without megabytes of data
 
 
@@ -101,6 +102,8 @@ ROWS = [
     (C, {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "outside the vocabulary", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[5]]}, 400, "must be a pair", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[None, 1]]}, 400, "keys must be token ids or text", "logit_bias"),
+    (C, {"prompt": "hi", "temperature": 1, "logit_bias": [[t, False] for t in range(VOCAB)]}, 400,
+     "bans every token", "logit_bias"),
     # refused: a clear 400 naming the field, never a silent ignore
     (C, {"prompt": "hi", "n": 2}, 400, "'n' must be 1", "n"),
     (C, {"prompt": "hi", "best_of": 3}, 400, "'best_of' is not supported", "best_of"),

@@ -287,6 +287,8 @@ def logit_bias(v, tokenizer) -> dict[int, float]:
             if not 0 <= t < V:
                 raise BadRequest(f"'logit_bias' has a token id outside the vocabulary (0..{V - 1}): {t}", "logit_bias")
             out[t] = b
+    if sum(b == float("-inf") for b in out.values()) >= V:
+        raise BadRequest("'logit_bias' bans every token of the vocabulary", "logit_bias")
     return out
 
 
