@@ -210,3 +210,35 @@ def test_unknown_routes_and_methods_are_json(client):
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
     r = client.put("/completion", json={})
     assert r.status_code == 405
+
+
+VALUES = [None, True, False, 0, 1, -1, 2 ** 64, -2 ** 70, 1.5, -0.0, 1e308, "", "x", "\u0000", [], [1], ["a"],
+          [[1, 2]], {}, {"a": 1}, {"type": "text"}, [{"type": "text", "text": "hi"}],
+          [{"role": "user", "content": "hi"}], 10 ** 6, "5", [None], [[]]]
+FIELDS = ["prompt", "messages", "max_tokens", "n_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+          "stream", "logit_bias", "n", "logprobs", "response_format", "stream_options", "ignore_eos", "repeat_last_n",
+          "repeat_penalty", "presence_penalty", "tools", "tool_choice", "model", "return_tokens", "content", "tokens",
+          "with_pieces", "add_special", "response_fields", "timings_per_token", "cache_prompt",
+          "max_completion_tokens"]
+
+
+def test_random_field_values_never_500(client):
+    """Every field set to values of every JSON type, a few at a time (seeded): each answer is a 200
+    or a 4xx JSON error; no exception escapes, no stream carries an error."""
+    import random
+    rnd = random.Random(31)
+    paths = ["/v1/completions", "/v1/chat/completions", "/completion", "/tokenize", "/detokenize", "/apply-template"]
+    for _ in range(200):
+        path = rnd.choice(paths)
+        body = {"prompt": "the cat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n_predict": 2}
+        for _ in range(rnd.randint(1, 4)):
+            body[rnd.choice(FIELDS)] = rnd.choice(VALUES)
+        for k in ("max_tokens", "n_predict"):  # keep generations short
+            if body.get(k) not in (None, 0, 1, 2):
+                body[k] = 2
+        r = client.post(path, json=body)
+        assert r.status_code < 500, (path, body, r.text)
+        if r.status_code != 200:
+            assert "message" in r.json()["error"], (path, body)
+        elif r.headers["content-type"].startswith("text/event-stream"):
+            assert '"error"' not in r.text, (path, body, r.text)
