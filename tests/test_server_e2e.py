@@ -437,11 +437,12 @@ def test_metrics_add_up(http):
 
 def test_access_log_lines(srv, http):
     http.post("/v1/completions", json={"prompt": "log me", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert httpx.get(srv.url + "/v1/models").status_code == 401
     time.sleep(0.2)
     lines = [json.loads(x) for x in srv.log().splitlines() if x.startswith('{"ts"')]
     mine = [x for x in lines if x["path"] == "/v1/completions" and x.get("completion_tokens") == 3]
     assert mine and mine[-1]["method"] == "POST" and mine[-1]["status"] == 200 and mine[-1]["duration_ms"] > 0
-    assert mine[-1]["prompt_tokens"] > 0
+    assert mine[-1]["prompt_tokens"] > 0 and mine[-1]["finish"] == "length" and mine[-1]["id"].startswith("cmpl-")
     assert any(x["status"] == 401 for x in lines)
 
 

@@ -68,6 +68,7 @@ class Generation:
         self.last = None
         self.tokens: list[int] = []
         self.finished = False
+        self.outcome = "cancelled"  # stop, length, context, cancelled or error once items() has ended
         server.admit()  # 429 when the queue is full
         threading.Thread(target=self._work, daemon=True, name="mtpllm-generate").start()
 
@@ -113,6 +114,7 @@ class Generation:
                     outcome = r.finish_reason
                 yield r
         finally:
+            self.outcome = outcome
             if not self.finished:
                 self.cancel.set()
                 if outcome == "cancelled":
@@ -186,8 +188,11 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
             raise P.ApiError(str(exc), 413, "request_too_large") from None
         return await run_in_threadpool(P.parse_json, raw)
 
-    def note(request: Request, **kw) -> None:
-        request.scope.get("mtpllm.log", {}).update(kw)
+    def note(request: Request, job: P.Job, g: Generation, rid: str | None = None) -> None:
+        """What the access-log line of this request adds: its tokens and how its generation ended."""
+        info = {"id": rid} if rid else {}
+        info.update(prompt_tokens=len(job.ids), completion_tokens=len(g.tokens), finish=g.outcome)
+        request.scope.get("mtpllm.log", {}).update(info)
 
     def usage(job: P.Job, g: Generation) -> dict:
         n = len(g.tokens)
@@ -290,7 +295,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
 
         if not job.stream:
             text = await g.collect(request)
-            note(request, prompt_tokens=len(job.ids), completion_tokens=len(g.tokens))
+            note(request, job, g, rid)
             choice = {"index": 0, "finish_reason": finish(g)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -326,7 +331,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
             except Exception as exc:  # after the headers: the error goes in the stream
                 yield _sse(_stream_error(exc))
             finally:
-                note(request, prompt_tokens=len(job.ids), completion_tokens=len(g.tokens))
+                note(request, job, g, rid)
         return SSEResponse(events(), g)
 
     @app.post("/v1/completions")
@@ -371,7 +376,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         g = Generation(server, job, t_arrival)
         if not job.stream:
             text = await g.collect(request)
-            note(request, prompt_tokens=len(job.ids), completion_tokens=len(g.tokens))
+            note(request, job, g)
             out = final(job, g, text)
             fields = job.extra["response_fields"]
             return P.pick_fields(out, fields) if fields else out
@@ -390,7 +395,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
             except Exception as exc:
                 yield _sse(_stream_error(exc))
             finally:
-                note(request, prompt_tokens=len(job.ids), completion_tokens=len(g.tokens))
+                note(request, job, g)
         return SSEResponse(events(), g)
 
     @app.post("/completion")
