@@ -246,29 +246,57 @@ def cmd_serve(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="mtpllm serve",
         description="HTTP server with OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and "
-                    "llama.cpp-compatible (/completion, /tokenize, /detokenize, /health, /props) endpoints. "
-                    "Sampling options set the defaults of requests that leave them out.")
+                    "llama.cpp-compatible (/completion, /tokenize, /detokenize, /apply-template, /health, /props, "
+                    "/slots) endpoints, and Prometheus metrics (/metrics). Sampling options set the defaults of "
+                    "requests that leave them out. User guide: docs/server.md.")
     add_model_args(ap)
     add_sampling_args(ap)
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                    "only; 0.0.0.0 to serve the network, with --api-key)")
     ap.add_argument("--port", type=_positive_int, default=8080, help="port (default 8080)")
+    g = ap.add_argument_group("HTTP")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   "/health (default: the MTPLLM_API_KEY environment variable; none: no key)")
+    g.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser pages from ORIGIN (e.g. http://localhost:3000; '*' for any) to call the "
+                        "API (repeatable; default: none)")
+    g.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                   help="largest request body accepted, in bytes (default 8 MiB); larger: 413")
+    g.add_argument("--max-queue", type=_nonneg_int, default=64,
+                   help="generation requests that may wait for a slot (default 64); more: 429 with Retry-After")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="on SIGTERM / Ctrl-C, seconds running requests get to finish before they are cancelled "
+                        "(default 20)")
+    g.add_argument("--no-access-log", action="store_true", help="no JSON access-log line per request on stderr")
     from .speculative.config import add_spec_args, spec_from_args
     add_spec_args(ap)
     a = ap.parse_args(argv)
     if a.port > 65535:
         raise MtpllmError(f"--port must be at most 65535, got {a.port}")
+    if not a.shutdown_timeout >= 0:
+        raise MtpllmError(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    api_key = a.api_key if a.api_key is not None else os.environ.get("MTPLLM_API_KEY") or None
+    if api_key is not None and (not api_key.strip() or not api_key.isascii() or any(c.isspace() for c in api_key)):
+        raise MtpllmError("--api-key must be non-empty printable ASCII without spaces")
     try:
-        from .server import Server, serve
+        from .server import DEFAULT_MAX_BODY, Server, serve
     except ImportError as exc:
-        raise MtpllmError(f"the server needs FastAPI and uvicorn: pip install 'mtpllm[server]' ({exc})") from None
+        raise MtpllmError(f"the server needs FastAPI, uvicorn and prometheus-client: pip install 'mtpllm[server]' "
+                          f"({exc})") from None
     params = sampling_from_args(a)
     spec_cfg = spec_from_args(a)
     eng = load_engine(a)
     from .registry import resolve_model
-    server = Server(eng, resolve_model(a.model).name, spec_cfg, params)
+    server = Server(eng, resolve_model(a.model).name, spec_cfg, params, max_queue=a.max_queue)
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
-          f"{', speculative ' + server.spec_label if server.spec_label else ''})", file=sys.stderr)
-    serve(server, a.host, a.port)
+          f"{', speculative ' + server.spec_label if server.spec_label else ''}"
+          f"{', API key required' if api_key else ''})", file=sys.stderr)
+    if not api_key and a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving {a.host} without an API key: anyone who reaches this port can use the model "
+              f"(set --api-key or MTPLLM_API_KEY)", file=sys.stderr)
+    serve(server, a.host, a.port, api_key=api_key, cors_origins=a.cors_origin,
+          max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY, shutdown_timeout=a.shutdown_timeout,
+          access_log=not a.no_access_log)
     return 0
 
 

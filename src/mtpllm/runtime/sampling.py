@@ -2,7 +2,10 @@
 
 A sampler turns logits into the distribution it samples from (`probs`) so that speculative
 verification can use exactly the same transforms for p and q. Temperature 0 means argmax.
-Order of transforms (as in llama.cpp's default chain): penalties -> top-k -> top-p -> min-p -> temperature.
+Order of transforms (as in llama.cpp's default chain): logit bias -> penalties -> top-k -> top-p -> min-p ->
+temperature. A logit bias (OpenAI's `logit_bias`: token id -> value added to its logit, -inf to ban it)
+counts as a penalty for the fast paths: with one, greedy decoding and speculative verification go
+through `probs`, so the target and the draft distributions both carry it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self):
         def bad(msg):
@@ -57,6 +61,13 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
             bad(f"logprobs must be an integer in 0..{self.MAX_LOGPROBS}, got {self.logprobs!r}")
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias must be a mapping of token id -> bias")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                bad(f"logit_bias: token ids must be integers >= 0, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or b != b or b == float("inf"):
+                bad(f"logit_bias: the bias of token {t} must be a number (or -inf), got {b!r}")
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +75,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 class Sampler:
@@ -77,11 +89,25 @@ class Sampler:
             self.gen.manual_seed(int(params.seed))
         else:
             self.gen.seed()
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values), built on first use
+
+    def apply_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] plus the logit bias (ids outside the vocabulary are ignored, as in llama.cpp)."""
+        if not self.p.logit_bias:
+            return logits
+        if self._bias is None or self._bias[0].device != logits.device:
+            items = [(t, float(b)) for t, b in self.p.logit_bias.items() if t < logits.shape[-1]]
+            ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=logits.device)
+            self._bias = (ids, torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device))
+        ids, vals = self._bias
+        return logits.index_add(0, ids, vals.to(logits.dtype))
 
     def apply_penalties(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         """logits [V]; history = token ids so far (prompt + generated)."""
         p = self.p
-        if not p.uses_penalties or not history:
+        logits = self.apply_bias(logits)
+        if not history or not (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                               or p.frequency_penalty != 0.0):
             return logits
         recent = history[-p.penalty_last_n:] if p.penalty_last_n > 0 else history
         ids, counts = torch.unique(torch.tensor(recent, device=logits.device), return_counts=True)

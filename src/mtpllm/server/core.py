@@ -1,0 +1,144 @@
+"""The server object: the model, the request defaults and the one door to generation.
+
+`Server.generate` is the only code that runs the engine's generation or touches its cache; the
+HTTP layer (app.py) validates requests with `prepare` (in a worker thread) and consumes
+`generate`'s Responses, setting `cancel` when the client goes away.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+
+from .. import __version__
+from ..runtime.sampling import SamplingParams
+from . import protocol as P
+from .metrics import Metrics
+
+
+class Server:
+    def __init__(self, engine, model_id: str, spec_cfg=None, defaults: SamplingParams | None = None,
+                 parallel: int = 1, max_queue: int = 64):
+        self.engine = engine
+        self.model_id = model_id
+        self.spec = spec_cfg.build(engine) if spec_cfg is not None else None
+        self.spec_label = spec_cfg.label() if spec_cfg is not None else None
+        self.defaults = defaults or SamplingParams()
+        self.parallel = parallel  # slots: sequences generated at once
+        self.max_queue = max_queue  # requests that may wait for a slot; beyond: 429
+        self.lock = threading.Lock()
+        self.metrics = Metrics(parallel)
+        self.cancelled = 0  # generations stopped early because their client went away
+        self.busy = 0  # generations running
+        self.waiting = 0  # generations waiting for a slot
+        self._count = threading.Lock()
+        tok = engine.tokenizer
+        longest = max((len(t) for t in tok.tokens), default=1)
+        self.limits = P.Limits(engine.n_ctx, engine.n_ctx * max(longest, 1))
+        self.fingerprint = "fp_" + hashlib.sha256(
+            f"mtpllm {__version__} {model_id} {engine.n_ctx} {self.spec_label}".encode()).hexdigest()[:12]
+
+    # ------------------------------------------------------------------ requests -> engine inputs
+    def prepare(self, kind: str, body: dict) -> P.Job:
+        """A validated Job for `kind` in {"chat", "completions" (OpenAI), "completion" (llama.cpp)}.
+        Tokenizes and renders the chat template: run it in a worker thread."""
+        tok = self.engine.tokenizer
+        if kind == "chat":
+            msgs, prefill = P.chat_messages(body, self.limits)
+            text = P.render_chat(tok, msgs, prefill)
+            self.limits.check_text(text, "messages")
+            ids = P.encode_rendered(tok, text)
+        else:
+            ids, text = P.completion_prompt(body.get("prompt"), tok, self.limits)
+        self.check_context(ids)
+        room = max(self.engine.n_ctx - len(ids) - 1, 0)
+        if kind == "completion":
+            params = P.sampling_params(body, self.defaults, ("n_predict", "max_tokens"), room, tok, self.engine.n_ctx)
+        else:
+            params = P.sampling_params(body, self.defaults, ("max_completion_tokens", "max_tokens", "n_predict"),
+                                       16 if kind == "completions" else room, tok, self.engine.n_ctx)
+        so = body.get("stream_options") or {}
+        return P.Job(ids, params, stream=P.get_bool(body, "stream"),
+                     include_usage=P.get_bool(so, "include_usage") if kind != "completion" else False,
+                     return_tokens=P.get_bool(body, "return_tokens"), prompt=text,
+                     extra={"cache_prompt": P.get_bool(body, "cache_prompt", True),
+                            "timings_per_token": P.get_bool(body, "timings_per_token"),
+                            "response_fields": P.response_fields(body)})
+
+    def check_context(self, ids: list[int]) -> None:
+        n_ctx = self.engine.n_ctx
+        if not ids:
+            raise P.BadRequest("the prompt is empty", "prompt")
+        if len(ids) >= n_ctx:
+            raise P.ApiError(f"the prompt is {len(ids)} tokens but the context size is {n_ctx}: shorten it or "
+                             f"start the server with a larger context (-c)", 400, "exceed_context_size_error",
+                             n_prompt_tokens=len(ids), n_ctx=n_ctx)
+
+    def tokens_of_text(self, ids: list[int]) -> list[dict]:
+        tok = self.engine.tokenizer
+        return [{"id": i, "piece": tok.decode([i])} for i in ids]
+
+    # ------------------------------------------------------------------ admission
+    def admit(self) -> None:
+        """Count a generation request in, or refuse it (429) when the queue is full."""
+        with self._count:
+            if self.waiting + self.busy >= self.parallel + self.max_queue:
+                raise P.ApiError(f"the server is busy: {self.busy} generating and {self.waiting} waiting "
+                                 f"(at most {self.max_queue} may wait); retry shortly", 429,
+                                 "unavailable_error", headers={"Retry-After": "1"})
+            self.waiting += 1
+            self.metrics.queue_depth.set(self.waiting)
+
+    def _started(self) -> None:
+        with self._count:
+            self.waiting -= 1
+            self.busy += 1
+            self.metrics.queue_depth.set(self.waiting)
+            self.metrics.slots_busy.set(self.busy)
+
+    def _left(self, started: bool) -> None:
+        with self._count:
+            if started:
+                self.busy -= 1
+            else:
+                self.waiting -= 1
+            self.metrics.queue_depth.set(self.waiting)
+            self.metrics.slots_busy.set(self.busy)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event) -> Iterator:
+        """The Responses of one generation (the engine's, one per token, the last with a
+        finish_reason). Runs in a worker thread, one per request. Contract with the HTTP layer:
+        stop at the next token once `cancel` is set (waiting for a slot or generating); call
+        `_started()` when the sequence gets a slot and `_left(started)` when it ends (the caller has
+        `admit`ted it); an exception fails this request only.
+
+        Today: one sequence at a time on a lock, the engine's prefix cache reused between requests."""
+        started = False
+        try:
+            while not self.lock.acquire(timeout=0.05):
+                if cancel.is_set():
+                    return
+            try:
+                self._started()
+                started = True
+                if cancel.is_set():
+                    return
+                gen = self.engine.stream(ids, params, self.spec)
+                try:
+                    for r in gen:
+                        yield r
+                        if cancel.is_set():
+                            return
+                finally:
+                    gen.close()
+            finally:
+                self.lock.release()
+        finally:
+            self._left(started)
+
+    def slots(self) -> list[dict]:
+        """llama.cpp's `/slots`: one entry per slot."""
+        n_ctx = self.engine.n_ctx
+        return [{"id": i, "n_ctx": n_ctx, "is_processing": i < self.busy, "speculative": self.spec_label}
+                for i in range(self.parallel)]
