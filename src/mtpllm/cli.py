@@ -372,11 +372,16 @@ def cmd_serve(argv: list[str]) -> int:
     add_sampling_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=_positive_int, default=8080, help="port (default 8080)")
+    ap.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
+    ap.add_argument("--api-key", default=os.environ.get("MTPLLM_API_KEY") or None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on the API (default: $MTPLLM_API_KEY; none: open)")
     from .speculative.config import add_spec_args, spec_from_args
     add_spec_args(ap)
     a = ap.parse_args(argv)
     if a.port > 65535:
         raise MtpllmError(f"--port must be at most 65535, got {a.port}")
+    if a.api_key is not None and not a.api_key.strip():
+        raise MtpllmError("--api-key is empty")
     try:
         from .server import Server, serve
     except ImportError as exc:
@@ -388,7 +393,9 @@ def cmd_serve(argv: list[str]) -> int:
     server = Server(eng, resolve_model(a.model).name, spec_cfg, params)
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
           f"{', speculative ' + server.spec_label if server.spec_label else ''})", file=sys.stderr)
-    serve(server, a.host, a.port)
+    if not a.no_webui:
+        print(f"mtpllm serve: chat page at http://{a.host}:{a.port}/", file=sys.stderr)
+    serve(server, a.host, a.port, webui=not a.no_webui, api_key=a.api_key.strip() if a.api_key else None)
     return 0
 
 

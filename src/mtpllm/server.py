@@ -7,8 +7,10 @@
 
 One model, one generation at a time (requests queue on a lock: the engine has one KV cache, whose
 common prefix with the next prompt is reused). Speculative decoding is configured when the server
-starts (the same flags as `mtpllm run`) and applies to every request; its statistics come back in
-`timings` (llama.cpp's `draft_n`, `draft_n_accepted`). Bad requests get a 400 with an
+starts (the same flags as `mtpllm run`) and applies to every request (a request may ask for a
+shorter draft length); its statistics come back in `timings` (llama.cpp's `draft_n`,
+`draft_n_accepted`), and streamed chunks say which tokens were accepted drafts (spec_stream.py).
+The chat page at `/` is webui/; `--api-key` is apikey.py. Bad requests get a 400 with an
 OpenAI-style JSON error body naming the problem; nothing a client sends raises past the handlers.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .errors import MtpllmError
 from .runtime.sampling import SamplingParams
+from .spec_stream import SpecTrace, max_draft_length, request_spec
 
 
 class BadRequest(Exception):
@@ -157,25 +160,27 @@ class Server:
             raise BadRequest(f"cannot render the chat template: {exc}") from None
 
     # ------------------------------------------------------------------ generation
-    def generate(self, ids, params):
+    def generate(self, ids, params, spec=...):  # spec: ... = the server's
+        spec = self.spec if spec is ... else spec
         with self.lock:
             last, parts = None, []
-            for r in self.engine.stream(ids, params, self.spec):
+            for r in self.engine.stream(ids, params, spec):
                 parts.append(r.text)
                 last = r
             return "".join(parts), last
 
-    async def responses(self, ids, params):
+    async def responses(self, ids, params, spec=...):
         """The Responses of one generation, as an async iterator (an exception is passed on as an
         item). Generation runs in a worker thread that stops at the next token once this iterator is
         closed early (the client went away), so a dropped connection never holds the lock."""
         q: queue.Queue = queue.Queue()
         cancel = threading.Event()
+        spec = self.spec if spec is ... else spec
 
         def work():
             try:
                 with self.lock:
-                    gen = self.engine.stream(ids, params, self.spec)
+                    gen = self.engine.stream(ids, params, spec)
                     try:
                         for r in gen:
                             q.put(r)
@@ -198,12 +203,12 @@ class Server:
         finally:
             cancel.set()
 
-    async def sse(self, ids, params, render, head: tuple = (), tail=lambda last: ()):
+    async def sse(self, ids, params, render, head: tuple = (), tail=lambda last: (), spec=...):
         """Server-sent events: `head` objects, render(r) per Response (None: nothing), tail(last)."""
         for h in head:
             yield _sse(h)
         last = None
-        async with aclosing(self.responses(ids, params)) as rs:
+        async with aclosing(self.responses(ids, params, spec)) as rs:
             async for r in rs:
                 if isinstance(r, Exception):
                     yield _sse({"error": {"message": str(r), "type": "server_error", "code": 500}})
@@ -228,8 +233,14 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, webui: bool = True, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="mtpllm", docs_url=None, redoc_url=None)
+    if webui:  # the chat page at / (src/mtpllm/webui)
+        from .webui import mount_webui
+        mount_webui(app)
+    if api_key:
+        from .apikey import ApiKeyMiddleware
+        app.add_middleware(ApiKeyMiddleware, key=api_key)
     eng = server.engine
 
     async def body_of(request: Request) -> dict:
@@ -270,6 +281,7 @@ def create_app(server: Server) -> FastAPI:
     async def props():
         return {"model_path": server.model_id, "total_slots": 1, "n_ctx": eng.n_ctx,
                 "chat_template": eng.tokenizer.chat_template or "", "speculative": server.spec_label,
+                "speculative_n_max": max_draft_length(server.spec),
                 "default_generation_settings": {"n_ctx": eng.n_ctx, "temperature": server.defaults.temperature,
                                                 "top_k": server.defaults.top_k, "top_p": server.defaults.top_p,
                                                 "min_p": server.defaults.min_p}}
@@ -299,6 +311,8 @@ def create_app(server: Server) -> FastAPI:
         ids = server.chat_ids(body) if chat else server.prompt_ids(body.get("prompt"))
         eng._check_prompt(ids)  # too long for the context: MtpllmError, a 400
         params = server.params(body, "max_tokens", room(ids) if chat else 16)
+        spec = request_spec(server.spec, body)
+        trace = SpecTrace()  # the "mtpllm" object of each chunk: draft tokens, live statistics
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be true or false")
@@ -313,7 +327,7 @@ def create_app(server: Server) -> FastAPI:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         if not stream:
-            text, last = await run_in_threadpool(server.generate, ids, params)
+            text, last = await run_in_threadpool(server.generate, ids, params, spec)
             choice = {"index": 0, "finish_reason": _finish(last)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -326,20 +340,22 @@ def create_app(server: Server) -> FastAPI:
                 "model": server.model_id}
 
         def render(r):
+            trace.add(r)
             if not (r.text or r.finish_reason):
                 return None
             fin = _finish(r) if r.finish_reason else None
             if chat:
                 return {**head, "choices": [{"index": 0, "delta": {"content": r.text} if r.text else {},
-                                             "finish_reason": fin}]}
-            return {**head, "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": fin}]}
+                                             "finish_reason": fin}], "mtpllm": trace.field(r)}
+            return {**head, "choices": [{"index": 0, "text": r.text, "logprobs": None, "finish_reason": fin}],
+                    "mtpllm": trace.field(r)}
 
         def tail(last):
             usage_chunk = [{**head, "choices": [], "usage": usage(last), "timings": server.timings(last)}]
             return (usage_chunk if include_usage else []) + ["data: [DONE]\n\n"]
         first = ({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "finish_reason": None}]},) if chat else ()
-        return StreamingResponse(server.sse(ids, params, render, first, tail), media_type="text/event-stream")
+        return StreamingResponse(server.sse(ids, params, render, first, tail, spec), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -382,6 +398,6 @@ def _finish(last) -> str:
     return "length"  # the token limit or the end of the context
 
 
-def serve(server: Server, host: str, port: int) -> None:
+def serve(server: Server, host: str, port: int, **app_options) -> None:
     import uvicorn
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(server, **app_options), host=host, port=port, log_level="info")
