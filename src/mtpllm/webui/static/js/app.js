@@ -14,6 +14,8 @@ let conversations = loadConversations();
 let current = conversations[0] || newConversation();
 let props = null;             // the server's /props
 let running = null;           // {controller, conv, msg} while an answer streams
+const emptyState = $("empty");  // shown while the conversation is empty (detached otherwise)
+const emptyModel = $("empty-model");
 
 // ------------------------------------------------------------------ storage
 function persist() {
@@ -196,6 +198,7 @@ function renderCtx() {
   const nctx = props && props.n_ctx;
   const used = current.ctx || 0;
   $("ctx-text").textContent = nctx ? `ctx ${used} / ${nctx}` : "ctx –";
+  $("ctx-text").parentElement.title = nctx ? `Context used by this conversation: ${used} of ${nctx} tokens` : "";
   $("ctx-bar").style.width = nctx ? `${Math.min(100, (100 * used) / nctx)}%` : "0";
 }
 
@@ -438,15 +441,15 @@ async function loadProps() {
   }
   const name = String(props.model_path || "model").split(/[\\/]/).pop();
   $("model-name").textContent = name;
-  $("empty-model").textContent = name;
+  emptyModel.textContent = name;
   document.title = `${name} · mtpllm`;
   const spec = $("spec-label");
-  spec.textContent = props.speculative ? `speculative ${props.speculative}` : "no speculation";
+  spec.textContent = props.speculative || "no speculation";
+  spec.title = props.speculative ? `Speculative decoding: ${props.speculative} (method:draft length)` : "";
+  spec.classList.toggle("spec", Boolean(props.speculative));
   spec.classList.toggle("off", !props.speculative);
   renderCtx();
 }
-
-const emptyState = $("empty");
 
 function init() {
   $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
