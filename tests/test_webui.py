@@ -364,6 +364,24 @@ def test_model_html_renders_as_text(browser, server, shots):
     page.wait_for_selector(".codeblock .copy:text-is('Copied')")
     assert page.evaluate("navigator.clipboard.readText()").startswith("def greet(name):")
     page.screenshot(path=str(shots / "tiny-desktop-dark-untrusted.png"))
+    # token marks follow the source through markdown: emphasis, a code span whose line break
+    # became a space, a code block
+    src = "Say **hi** to `x\ny` now\n\n```\ncode here\n```\n"
+    draft = [src.index("hi"), src.index("hi") + 1, src.index("y`"), *range(src.index("code"), src.index("code") + 4)]
+    runs = []
+    for i in range(len(src)):
+        f = int(i in draft)
+        if runs and runs[-1] == f:
+            runs[-2] += 1
+        else:
+            runs += [1, f]
+    got = page.evaluate("""async ([src, runs]) => {
+        const m = await import('/webui/js/markdown.js');
+        const el = document.createElement('div');
+        m.renderMarkdown(el, src, runs);
+        return [...el.querySelectorAll('.tk-draft')].map((e) => e.textContent).join('|');
+    }""", [src, runs])
+    assert got == "hi|y|code"
     assert p.errors == []
     p.close()
 
@@ -417,16 +435,17 @@ def test_api_key_flow(browser, chat_model, tmp_path_factory):
         page.wait_for_selector("#model-name:text-is('chat.gguf')")
         assert not page.is_visible("#keydlg")
         assert "no speculation" in page.inner_text("#spec-label")
+        # kept for this tab's session: a reload does not ask again
         p.settings(temperature=0, max_tokens=20)
-        p.send("hello")
-        msg = p.storage()[0]["messages"][1]
-        assert msg["n"] == 20 and not msg.get("error")
-        # kept for this tab's session only: not in localStorage, asked again in a new session
-        assert page.evaluate("sessionStorage.getItem('mtpllm.apiKey')") == KEY
-        assert KEY not in page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
         page.reload()
         page.wait_for_selector("#model-name:text-is('chat.gguf')")
         assert not page.is_visible("#keydlg")
+        p.send("hello")
+        msg = p.storage()[0]["messages"][1]
+        assert msg["n"] == 20 and not msg.get("error")
+        # in session storage only, not in local storage; a new session asks again
+        assert page.evaluate("sessionStorage.getItem('mtpllm.apiKey')") == KEY
+        assert KEY not in page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
         assert p.errors == []
         p.close()
         q = Page(browser, s.url, allow=("401",))

@@ -65,10 +65,38 @@ export function sanitizeMarkdown(text) {
   return DOMPurify.sanitize(md.parse(text, { async: false }), PURIFY);
 }
 
+// Where each character of the rendered text `v` sits in the source, searching from `cursor`: an
+// array of source offsets, or null. Markdown syntax between text nodes is skipped; inside one node
+// a run of white space may stand for another (a code span's line breaks become spaces).
+function locate(src, v, cursor) {
+  const pos = src.indexOf(v, cursor);
+  // a short piece found far ahead is more likely a chance match than the right place
+  if (pos >= 0 && !(v.length < 4 && pos - cursor > 16)) return Array.from({ length: v.length }, (_, i) => pos + i);
+  const lead = v.match(/^\s*/)[0].length;
+  const word = v.slice(lead).split(/\s/)[0];
+  if (!word || word.length === v.length) return null;
+  const at = src.indexOf(word, cursor);
+  if (at < 0 || at - cursor > 64) return null;
+  const out = new Array(v.length);
+  let i = lead, j = at;
+  for (let k = 0; k < lead; k++) out[k] = at;
+  while (i < v.length) {
+    if (/\s/.test(v[i])) {
+      if (j >= src.length || !/\s/.test(src[j])) return null;
+      while (i < v.length && /\s/.test(v[i])) out[i++] = j;
+      while (j < src.length && /\s/.test(src[j])) j++;
+    } else {
+      if (src[j] !== v[i]) return null;
+      out[i++] = j++;
+    }
+  }
+  return out;
+}
+
 // Wrap the text of `root` (rendered from `src`) in spans that say where each character came from.
 // `runs` is [length, draft, length, draft, ...] over `src` (draft: 1 for accepted draft tokens, 0 for
-// the target model's). Rendered text nodes are found in `src` in order; markdown syntax between
-// them is skipped, a text node that cannot be found (an entity written out in the source) stays plain.
+// the target model's). A text node that cannot be found in the source (an entity written out in
+// the source) stays plain.
 export function markTokens(root, src, runs) {
   if (!runs || !runs.length) return;
   const ends = [];
@@ -79,32 +107,38 @@ export function markTokens(root, src, runs) {
     ends.push(acc);
     flags.push(runs[i + 1]);
   }
+  const kind = (p) => {  // the class of source offset p
+    let lo = 0, hi = ends.length;
+    while (lo < hi) {
+      const mid = (lo + hi) >> 1;
+      if (ends[mid] <= p) lo = mid + 1; else hi = mid;
+    }
+    return lo < ends.length ? (flags[lo] ? "tk tk-draft" : "tk tk-target") : "tk";
+  };
   const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
   const nodes = [];
   while (walker.nextNode()) nodes.push(walker.currentNode);
   let cursor = 0;
-  let run = 0;
   for (const node of nodes) {
     const v = node.nodeValue;
     if (!v.trim()) continue;
-    const pos = src.indexOf(v, cursor);
-    // a short piece found far ahead is more likely a chance match than the right place
-    if (pos < 0 || (v.length < 4 && pos - cursor > 16)) continue;
-    while (run < ends.length && ends[run] <= pos) run++;
+    const where = locate(src, v, cursor);
+    if (!where) continue;
     const frag = document.createDocumentFragment();
-    let p = pos;
-    const stop = pos + v.length;
-    while (p < stop) {
-      const end = run < ends.length ? Math.min(ends[run], stop) : stop;
+    let start = 0;
+    let cls = kind(where[0]);
+    for (let i = 1; i <= v.length; i++) {
+      const c = i < v.length ? kind(where[i]) : null;
+      if (c === cls) continue;
       const span = document.createElement("span");
-      span.className = run < ends.length ? (flags[run] ? "tk tk-draft" : "tk tk-target") : "tk";
-      span.textContent = v.slice(p - pos, end - pos);
+      span.className = cls;
+      span.textContent = v.slice(start, i);
       frag.appendChild(span);
-      p = end;
-      if (run < ends.length && p >= ends[run]) run++;
+      start = i;
+      cls = c;
     }
     node.replaceWith(frag);
-    cursor = stop;
+    cursor = where[v.length - 1] + 1;
   }
 }
 
