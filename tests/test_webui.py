@@ -365,9 +365,10 @@ def test_model_html_renders_as_text(browser, server, shots):
     assert page.evaluate("navigator.clipboard.readText()").startswith("def greet(name):")
     page.screenshot(path=str(shots / "tiny-desktop-dark-untrusted.png"))
     # token marks follow the source through markdown: emphasis, a code span whose line break
-    # became a space, a code block
-    src = "Say **hi** to `x\ny` now\n\n```\ncode here\n```\n"
-    draft = [src.index("hi"), src.index("hi") + 1, src.index("y`"), *range(src.index("code"), src.index("code") + 4)]
+    # became a space, a backslash escape, a code block
+    src = "Say **hi** to `x\ny` now \\* star\n\n```\ncode here\n```\n"
+    draft = [src.index("hi"), src.index("hi") + 1, src.index("y`"), *range(src.index("star"), src.index("star") + 4),
+             *range(src.index("code"), src.index("code") + 4)]
     runs = []
     for i in range(len(src)):
         f = int(i in draft)
@@ -381,7 +382,7 @@ def test_model_html_renders_as_text(browser, server, shots):
         m.renderMarkdown(el, src, runs);
         return [...el.querySelectorAll('.tk-draft')].map((e) => e.textContent).join('|');
     }""", [src, runs])
-    assert got == "hi|y|code"
+    assert got == "hi|y|star|code"
     assert p.errors == []
     p.close()
 

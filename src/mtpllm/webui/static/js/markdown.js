@@ -66,29 +66,27 @@ export function sanitizeMarkdown(text) {
 }
 
 // Where each character of the rendered text `v` sits in the source, searching from `cursor`: an
-// array of source offsets, or null. Markdown syntax between text nodes is skipped; inside one node
-// a run of white space may stand for another (a code span's line breaks become spaces).
+// array of source offsets (-1: not found), or null when the text is not there. Markdown syntax
+// between text nodes is skipped; inside one node the characters are matched in order, skipping a
+// few source characters where markdown dropped them (a backslash escape) and taking any white
+// space for any other (a code span's line breaks become spaces).
+const SKIP = 8;
+
 function locate(src, v, cursor) {
   const pos = src.indexOf(v, cursor);
   // a short piece found far ahead is more likely a chance match than the right place
   if (pos >= 0 && !(v.length < 4 && pos - cursor > 16)) return Array.from({ length: v.length }, (_, i) => pos + i);
-  const lead = v.match(/^\s*/)[0].length;
-  const word = v.slice(lead).split(/\s/)[0];
-  if (!word || word.length === v.length) return null;
-  const at = src.indexOf(word, cursor);
-  if (at < 0 || at - cursor > 64) return null;
-  const out = new Array(v.length);
-  let i = lead, j = at;
-  for (let k = 0; k < lead; k++) out[k] = at;
-  while (i < v.length) {
-    if (/\s/.test(v[i])) {
-      if (j >= src.length || !/\s/.test(src[j])) return null;
-      while (i < v.length && /\s/.test(v[i])) out[i++] = j;
-      while (j < src.length && /\s/.test(src[j])) j++;
-    } else {
-      if (src[j] !== v[i]) return null;
-      out[i++] = j++;
-    }
+  const lead = v.length - v.trimStart().length;
+  let j = src.indexOf(v[lead], cursor);
+  if (j < 0 || j - cursor > 64) return null;
+  const ws = (ch) => ch === " " || ch === "\n" || ch === "\t" || ch === "\r";
+  const out = new Array(v.length).fill(-1);
+  for (let i = lead; i < v.length; i++) {
+    let k = j;
+    while (k < src.length && k - j <= SKIP && !(src[k] === v[i] || (ws(src[k]) && ws(v[i])))) k++;
+    if (k >= src.length || k - j > SKIP) break;  // lost: the rest of this node stays plain
+    out[i] = k;
+    j = k + 1;
   }
   return out;
 }
@@ -113,7 +111,8 @@ export function markTokens(root, src, runs) {
       const mid = (lo + hi) >> 1;
       if (ends[mid] <= p) lo = mid + 1; else hi = mid;
     }
-    return lo < ends.length ? (flags[lo] ? "tk tk-draft" : "tk tk-target") : "tk";
+    if (p < 0 || lo >= ends.length) return "tk";
+    return flags[lo] ? "tk tk-draft" : "tk tk-target";
   };
   const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
   const nodes = [];
@@ -138,7 +137,7 @@ export function markTokens(root, src, runs) {
       cls = c;
     }
     node.replaceWith(frag);
-    cursor = where[v.length - 1] + 1;
+    cursor = Math.max(cursor, ...where) + 1;
   }
 }
 
