@@ -280,6 +280,23 @@ def test_chat_streams_marked_tokens_and_keeps_conversations(browser, server, sho
     p.wait_idle()
     msgs = p.storage()[0]["messages"]
     assert len(msgs) == 2 and msgs[1]["content"] == ans["content"]
+    # a system prompt and a shorter draft length from the settings panel
+    page.click("#open-settings")
+    page.fill("#set-system", "be brief")
+    page.fill("#set-k", "1")
+    page.click("#settings-save")
+    page.click("text=Regenerate")
+    p.wait_idle()
+    r = httpx.post(server.url + "v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        "temperature": 0, "top_p": 0.95, "max_tokens": 40})
+    with_system = p.storage()[0]["messages"][1]["content"]
+    assert with_system == r.json()["choices"][0]["message"]["content"] != ans["content"]
+    assert page.locator(".msg.assistant .chart rect.bar").count() == 1
+    page.click("#open-settings")
+    page.fill("#set-system", "")
+    page.fill("#set-k", "3")
+    page.click("#settings-save")
     # edit the last user message: a new answer to the new text
     page.click("text=Edit")
     page.fill("textarea.edit", "tell me more")
@@ -483,6 +500,7 @@ def test_real_model_page(browser, tmp_path_factory, shots):
                 page.wait_for_selector(".msg.assistant .tk-draft")
             page.screenshot(path=str(shots / f"real-desktop-{scheme}.png"))
             page.set_viewport_size(PHONE)
+            page.wait_for_timeout(400)  # the list slides out of view
             page.screenshot(path=str(shots / f"real-phone-{scheme}.png"))
             assert p.errors == []
             p.close()
