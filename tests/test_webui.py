@@ -484,10 +484,11 @@ def test_real_model_page(browser, tmp_path_factory, shots):
             p = Page(browser, s.url, scheme=scheme)
             page = p.page
             if stored is None:
-                p.settings(temperature=0, max_tokens=160)
+                p.settings(temperature=0, max_tokens=256)
                 page.reload()
                 page.wait_for_selector("#model-name:text-is('qwen2.5-coder-0.5b-instruct-q4_k_m.gguf')")
-                p.send("Write a short Python function that checks whether a number is prime.", timeout=600000)
+                p.send("Write a Python function that returns the n-th Fibonacci number.",
+                       timeout=600000)
                 stored = p.storage()
                 msg = stored[0]["messages"][1]
                 assert msg["n"] > 20 and not msg.get("error") and msg["stats"]["num_accepted_tokens"] > 0
@@ -501,6 +502,7 @@ def test_real_model_page(browser, tmp_path_factory, shots):
             page.screenshot(path=str(shots / f"real-desktop-{scheme}.png"))
             page.set_viewport_size(PHONE)
             page.wait_for_timeout(400)  # the list slides out of view
+            page.evaluate("document.getElementById('messages').scrollTop = 1e9")
             page.screenshot(path=str(shots / f"real-phone-{scheme}.png"))
             assert p.errors == []
             p.close()
