@@ -131,6 +131,13 @@ def test_api_key_middleware(engine):
     assert c.get("/health").status_code == 200
 
 
+def test_serve_flags_are_checked(capsys, monkeypatch):
+    from mtpllm.cli import main
+    monkeypatch.delenv("MTPLLM_API_KEY", raising=False)
+    assert main(["serve", "--api-key", " ", "--no-webui"]) == 1
+    assert "--api-key is empty" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- browser
 def _free_port() -> int:
     with socket.socket() as s:
