@@ -240,6 +240,7 @@ function requestBody() {
 function setRunning(on) {
   $("send").hidden = on;
   $("stop").hidden = !on;
+  $("messages").setAttribute("aria-busy", String(on));
   document.body.classList.toggle("running", on);
 }
 
@@ -406,13 +407,18 @@ function applyMarks() {
 }
 
 let keyResolve = null;
-onKeyNeeded((why) => new Promise((resolve) => {
-  keyResolve = resolve;
-  $("key-why").textContent = why;
-  $("key-input").value = "";
-  if (!$("keydlg").open) $("keydlg").showModal();
-  $("key-input").focus();
-}));
+let keyAsked = null;  // one dialog for every request that was refused meanwhile
+onKeyNeeded((why) => {
+  if (keyAsked) return keyAsked;
+  keyAsked = new Promise((resolve) => {
+    keyResolve = resolve;
+    $("key-why").textContent = why;
+    $("key-input").value = "";
+    $("keydlg").showModal();
+    $("key-input").focus();
+  }).finally(() => { keyAsked = null; });
+  return keyAsked;
+});
 
 function closeKey(value) {
   const r = keyResolve;
