@@ -348,9 +348,9 @@ def test_stop_frees_the_server(browser, server, shots):
     assert msg["status"] == "stopped" and "stopped" in page.inner_text(".msg.assistant .meta")
     # had the generation gone on, the next request would wait for its remaining tokens
     remaining_s = (CTX - 100 - msg["n"]) / msg["timings"]["predicted_per_second"]
-    assert remaining_s > 30, "the tokens left are too few to tell a stopped generation from a finished one"
+    assert remaining_s > 10, "the tokens left are too few to tell a stopped generation from a finished one"
     assert _api_answer(server, "hi", 4)
-    assert time.monotonic() - t0 < 15  # far below remaining_s: the server stopped the generation
+    assert time.monotonic() - t0 < remaining_s / 2  # the server did not finish the stopped answer first
     assert p.errors == []
     p.close()
 

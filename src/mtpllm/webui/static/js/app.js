@@ -113,7 +113,7 @@ function metaOf(msg, live) {
     chart.className = "chartbox";
     const lab = document.createElement("span");
     lab.className = "chart-label";
-    lab.textContent = "per position";
+    lab.textContent = "accepted % by draft position";
     chart.append(lab, acceptanceChart(s.per_position_acceptance));
     meta.appendChild(chart);
   }
