@@ -98,7 +98,7 @@ function metaOf(msg, live) {
   const s = msg.stats;
   if (s && s.num_drafts > 0) {
     parts.push(`acceptance length ${fmt(s.mean_acceptance_length, 2)}`);
-    parts.push(`${s.num_accepted_tokens}/${s.num_draft_tokens} drafts accepted (${Math.round(100 * s.acceptance_rate)}%)`);
+    parts.push(`${s.num_accepted_tokens}/${s.num_draft_tokens} drafts accepted (${fmt(100 * s.acceptance_rate, 0)}%)`);
   } else if (msg.spec === false) {
     parts.push("no speculation");
   }
@@ -108,7 +108,7 @@ function metaOf(msg, live) {
   text.className = "figures";
   text.textContent = parts.join(" · ");
   meta.appendChild(text);
-  if (s && s.per_position_acceptance && s.per_position_acceptance.length) {
+  if (s && Array.isArray(s.per_position_acceptance) && s.per_position_acceptance.length) {
     const chart = document.createElement("span");
     chart.className = "chartbox";
     const lab = document.createElement("span");
@@ -141,7 +141,8 @@ function button(label, title, onClick) {
 function fillAssistant(el, msg, live) {
   const body = el.querySelector(".body");
   if (msg.content) {
-    renderMarkdown(body, msg.content, msg.runs);
+    const runs = Array.isArray(msg.runs) && msg.runs.every(Number.isInteger) ? msg.runs : null;
+    renderMarkdown(body, msg.content, runs);
   } else if (live) {
     body.replaceChildren();
     const dots = document.createElement("span");

@@ -10,6 +10,7 @@ function el(name, attrs) {
 
 // rates: fraction of the steps that drafted position i whose draft i was accepted (0..1).
 export function acceptanceChart(rates) {
+  rates = rates.map((r) => (Number.isFinite(r) ? Math.max(0, Math.min(1, r)) : 0));
   const bw = 20, gap = 4, h = 30, label = 11;
   const w = Math.max(rates.length, 1) * (bw + gap) - gap;
   const svg = el("svg", { width: w, height: h + label, viewBox: `0 0 ${w} ${h + label}`, class: "chart",
@@ -20,7 +21,7 @@ export function acceptanceChart(rates) {
   svg.appendChild(title);
   rates.forEach((r, i) => {
     const x = i * (bw + gap);
-    const bh = Math.max(0, Math.min(1, r)) * h;
+    const bh = r * h;
     svg.appendChild(el("rect", { x, y: 0, width: bw, height: h, class: "bar-bg", rx: 2 }));
     svg.appendChild(el("rect", { x, y: h - bh, width: bw, height: bh, class: "bar", rx: 2 }));
     const t = el("text", { x: x + bw / 2, y: h + label - 1, class: "bar-label", "text-anchor": "middle" });
