@@ -242,8 +242,8 @@ class Page:
         self.ctx.close()
 
 
-def _api_answer(server, text, max_tokens):
-    r = httpx.post(server.url + "v1/chat/completions", timeout=60, json={
+def _api_answer(server, text, max_tokens, timeout=60):
+    r = httpx.post(server.url + "v1/chat/completions", timeout=timeout, json={
         "messages": [{"role": "user", "content": text}], "temperature": 0, "top_p": 0.95, "max_tokens": max_tokens})
     return r.json()["choices"][0]["message"]["content"]
 
@@ -327,7 +327,8 @@ def test_chat_streams_marked_tokens_and_keeps_conversations(browser, server, sho
     p.close()
 
 
-def test_stop_frees_the_server(browser, server, shots):
+@pytest.mark.parametrize("how", ["Escape", "button"])
+def test_stop_frees_the_server(browser, server, shots, how):
     p = Page(browser, server.url, scheme="dark")
     page = p.page
     p.settings(temperature=0, max_tokens=CTX - 100)
@@ -335,13 +336,16 @@ def test_stop_frees_the_server(browser, server, shots):
     page.wait_for_selector("#model-name:text-is('chat.gguf')")
     p.send("count to a million", wait=False)
     page.wait_for_selector("#stop:not([hidden])")
-    # stream until at least 300 tokens have come, then Esc
+    # stream until at least 300 tokens have come, then stop
     page.wait_for_function("""() => {
         const m = (document.querySelector('.msg.assistant .meta')?.textContent || '').match(/([0-9]+) tokens/);
         return m && Number(m[1]) >= 300;
     }""", timeout=60000)
-    page.screenshot(path=str(shots / "tiny-desktop-dark-streaming.png"))
-    page.keyboard.press("Escape")
+    if how == "Escape":
+        page.screenshot(path=str(shots / "tiny-desktop-dark-streaming.png"))
+        page.keyboard.press("Escape")
+    else:
+        page.click("#stop")
     p.wait_idle(10000)
     t0 = time.monotonic()
     msg = p.storage()[0]["messages"][1]
@@ -349,7 +353,10 @@ def test_stop_frees_the_server(browser, server, shots):
     # had the generation gone on, the next request would wait for its remaining tokens
     remaining_s = (CTX - 100 - msg["n"]) / msg["timings"]["predicted_per_second"]
     assert remaining_s > 10, "the tokens left are too few to tell a stopped generation from a finished one"
-    assert _api_answer(server, "hi", 4)
+    try:
+        assert _api_answer(server, "hi", 4, timeout=remaining_s / 2)
+    except httpx.TimeoutException:
+        pytest.fail("the server went on with the stopped answer: the next request waited for it")
     assert time.monotonic() - t0 < remaining_s / 2  # the server did not finish the stopped answer first
     assert p.errors == []
     p.close()
