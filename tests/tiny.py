@@ -99,8 +99,10 @@ def nextn_tensors(rng, L, arch, tensors, ffn=FFN, qtypes=QTYPES):
 
 def make_tiny(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: int = 0, nextn: int = 0,
               out_scale: float = 0.15, ctx: int = 256, out_type: QT = QT.F16, embd_type: QT = QT.Q8_0,
-              qtypes: dict | None = None) -> Path:
-    """Write a tiny random model of `arch` (qwen2, qwen3, llama, gemma3), optionally with `nextn` MTP blocks."""
+              qtypes: dict | None = None, never: list[int] | None = None) -> Path:
+    """Write a tiny random model of `arch` (qwen2, qwen3, llama, gemma3), optionally with `nextn` MTP blocks.
+    `never`: token ids whose output rows are zero, so greedy decoding never picks them (e.g. the end
+    of text: an answer that goes on until its token limit; not for gemma3, whose output is the embedding)."""
     rng = np.random.default_rng(seed)
     tokens, tmeta = spm_vocab() if arch == "gemma3" else gpt2_vocab()
     V = len(tokens)
@@ -113,7 +115,12 @@ def make_tiny(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: in
         # nextn_tensors re-wrote the block with a fresh draw: fine, it is random either way
     tensors["output_norm.weight"] = (1 + rng.normal(0, 0.1, D).astype(np.float32), QT.F32)
     if arch != "gemma3":
-        tensors["output.weight"] = _t(rng, (V, D), out_type, out_scale)
+        if never:
+            w = rng.normal(0, out_scale, size=(V, D)).astype(np.float32)
+            w[list(never)] = 0.0  # logit 0 loses to the largest of the other rows' random logits
+            tensors["output.weight"] = quantize(w, out_type), out_type
+        else:
+            tensors["output.weight"] = _t(rng, (V, D), out_type, out_scale)
     meta = {
         ".block_count": n_layers + nextn, ".context_length": ctx, ".embedding_length": D,
         ".feed_forward_length": FFN, ".attention.head_count": HEADS, ".attention.head_count_kv": KV,

@@ -268,6 +268,7 @@ def cmd_serve(argv: list[str]) -> int:
                    help="on SIGTERM / Ctrl-C, seconds running requests get to finish before they are cancelled "
                         "(default 20)")
     g.add_argument("--no-access-log", action="store_true", help="no JSON access-log line per request on stderr")
+    ap.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     from .speculative.config import add_spec_args, spec_from_args
     add_spec_args(ap)
     a = ap.parse_args(argv)
@@ -291,12 +292,14 @@ def cmd_serve(argv: list[str]) -> int:
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
           f"{', speculative ' + server.spec_label if server.spec_label else ''}"
           f"{', API key required' if api_key else ''})", file=sys.stderr)
+    if not a.no_webui:
+        print(f"mtpllm serve: chat page at http://{a.host}:{a.port}/", file=sys.stderr)
     if not api_key and a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving {a.host} without an API key: anyone who reaches this port can use the model "
               f"(set --api-key or MTPLLM_API_KEY)", file=sys.stderr)
     serve(server, a.host, a.port, api_key=api_key, cors_origins=a.cors_origin,
           max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY, shutdown_timeout=a.shutdown_timeout,
-          access_log=not a.no_access_log)
+          access_log=not a.no_access_log, webui=not a.no_webui)
     return 0
 
 

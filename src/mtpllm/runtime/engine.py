@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from ..errors import MtpllmError
-from ..gguf.reader import GGUFFile
+from ..models.hf import open_model_file
 from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
@@ -87,7 +87,9 @@ class Engine:
             torch.set_num_threads(int(threads))
         t0 = time.perf_counter()
         path = resolve_model(name_or_path)
-        g = GGUFFile(path)
+        g = open_model_file(path)  # a GGUF file, or a Hugging Face checkpoint read in place
+        # the tokenizer's checks run before any weight is built: a bad vocabulary fails fast and small
+        tok = GGUFTokenizer(g.metadata, g.arch)
         if device != "cpu" and mode == "fast":
             # the compressed formats run on the engine's CPU kernels; other devices get the weights
             # dequantized (float32) and PyTorch's own operators
@@ -98,7 +100,6 @@ class Engine:
         if n_ctx <= 0:
             raise MtpllmError(f"context size must be positive, got {n_ctx}")
         check_kv_memory(cfg, n_ctx)
-        tok = GGUFTokenizer(g.metadata, g.arch)
         if device != "cpu":
             model.to(device)
         return cls(model, tok, n_ctx, (time.perf_counter() - t0) * 1e3, device)

@@ -25,6 +25,7 @@ from ..errors import MtpllmError
 from . import protocol as P
 from .core import Server
 from .metrics import CONTENT_TYPE_LATEST
+from .spec_stream import SpecTrace, max_draft_length, request_spec
 from .security import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
@@ -80,7 +81,7 @@ class Generation:
 
     def _work(self) -> None:
         try:
-            for r in self.server.generate(self.job.ids, self.job.params, self.cancel):
+            for r in self.server.generate(self.job.ids, self.job.params, self.cancel, self.job.spec):
                 self._put(r)
         except Exception as exc:  # fails this request only
             log.exception("generation failed")
@@ -144,8 +145,12 @@ class Generation:
 
 
 def create_app(server: Server, api_key: str | None = None, cors_origins: list[str] | tuple = (),
-               max_body_bytes: int = DEFAULT_MAX_BODY, access_log: bool = True, log_stream=None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY, access_log: bool = True, log_stream=None,
+               webui: bool = True) -> FastAPI:
     app = FastAPI(title="mtpllm", docs_url=None, redoc_url=None, openapi_url=None)
+    if webui:  # the chat page at / (src/mtpllm/webui), its files under /webui/
+        from ..webui import mount_webui
+        mount_webui(app)
     eng = server.engine
     tok = eng.tokenizer
 
@@ -243,6 +248,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         d = server.defaults
         return {"model_path": server.model_id, "total_slots": server.parallel, "n_ctx": eng.n_ctx,
                 "chat_template": tok.chat_template or "", "speculative": server.spec_label,
+                "speculative_n_max": max_draft_length(server.spec),
                 "system_fingerprint": server.fingerprint, "modalities": {"vision": False, "audio": False},
                 "default_generation_settings": {"id": 0, "n_ctx": eng.n_ctx, "temperature": d.temperature,
                                                 "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
@@ -288,6 +294,8 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         t_arrival = time.perf_counter()
         body = await body_of(request)
         job = await run_in_threadpool(server.prepare, "chat" if chat else "completions", body)
+        job.spec = request_spec(server.spec, body)  # a request may ask for a shorter draft length
+        trace = SpecTrace()  # the "mtpllm" object of each chunk: which tokens were accepted drafts
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                 "model": server.model_id, "system_fingerprint": server.fingerprint}
@@ -304,7 +312,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                     "usage": usage(job, g), "timings": timings(g)}
 
-        def chunk(text, fin):
+        def chunk(text, fin, r):
             if chat:
                 c = {**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
                                           "logprobs": None, "finish_reason": fin}]}
@@ -312,6 +320,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
                 c = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}
             if job.extra["timings_per_token"]:
                 c["timings"] = timings(g)
+            c["mtpllm"] = trace.field(r)  # an extension OpenAI clients ignore
             return c
 
         async def events():
@@ -321,10 +330,11 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
                                                      "logprobs": None, "finish_reason": None}]})
                 async with aclosing(g.items()) as rs:
                     async for r in rs:
+                        trace.add(r)
                         if r.text:
-                            yield _sse(chunk(r.text, None))
+                            yield _sse(chunk(r.text, None, r))
                         if r.finish_reason:
-                            yield _sse(chunk("", finish(g)))
+                            yield _sse(chunk("", finish(g), r))
                 if job.include_usage:
                     yield _sse({**head, "choices": [], "usage": usage(job, g), "timings": timings(g)})
                 yield "data: [DONE]\n\n"
@@ -415,11 +425,12 @@ def _stream_error(exc: Exception) -> dict:
 
 
 def serve(server: Server, host: str, port: int, api_key: str | None = None, cors_origins=(),
-          max_body_bytes: int = DEFAULT_MAX_BODY, shutdown_timeout: float = 20.0, access_log: bool = True) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY, shutdown_timeout: float = 20.0, access_log: bool = True,
+          webui: bool = True) -> None:
     """Run the app under uvicorn. SIGTERM / SIGINT: stop accepting, let running requests finish for
     up to `shutdown_timeout` seconds, then cancel what is left (its generations stop at the next token)."""
     import uvicorn
-    app = create_app(server, api_key, cors_origins, max_body_bytes, access_log)
+    app = create_app(server, api_key, cors_origins, max_body_bytes, access_log, webui=webui)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout)
     uvicorn.Server(config).run()

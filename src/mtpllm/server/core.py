@@ -106,14 +106,16 @@ class Server:
             self.metrics.slots_busy.set(self.busy)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event) -> Iterator:
+    def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event, spec=...) -> Iterator:
         """The Responses of one generation (the engine's, one per token, the last with a
         finish_reason). Runs in a worker thread, one per request. Contract with the HTTP layer:
         stop at the next token once `cancel` is set (waiting for a slot or generating); call
         `_started()` when the sequence gets a slot and `_left(started)` when it ends (the caller has
         `admit`ted it); an exception fails this request only.
 
+        `spec`: this request's speculative decoder (... = the server's, None = plain decoding).
         Today: one sequence at a time on a lock, the engine's prefix cache reused between requests."""
+        spec = self.spec if spec is ... else spec
         started = False
         try:
             while not self.lock.acquire(timeout=0.05):
@@ -124,7 +126,7 @@ class Server:
                 started = True
                 if cancel.is_set():
                     return
-                gen = self.engine.stream(ids, params, self.spec)
+                gen = self.engine.stream(ids, params, spec)
                 try:
                     for r in gen:
                         yield r

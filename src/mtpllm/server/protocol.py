@@ -435,3 +435,4 @@ class Job:
     return_tokens: bool = False
     prompt: str = ""
     extra: dict = field(default_factory=dict)
+    spec: object = ...  # the speculative decoder for this request (... = the server's)

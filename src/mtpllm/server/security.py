@@ -34,7 +34,8 @@ class ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or scope["method"] == "OPTIONS" \
+                or scope["path"] == "/" or scope["path"].startswith("/webui/"):  # the chat page asks for the key itself
             return await self.app(scope, receive, send)
         given = b""
         for k, v in scope["headers"]:

@@ -1,0 +1,80 @@
+"""Speculation made visible in the HTTP server's streams, and the draft length chosen per request.
+
+Each streamed chunk of `/v1/chat/completions` and `/v1/completions` carries an extension object
+that OpenAI clients ignore (unknown top-level keys):
+
+    "mtpllm": {"draft": [true, false, ...],   # per token since the previous chunk: an accepted
+                                              # draft token (true) or the target model's (false)
+               "accepted": 2,                 # how many of them are accepted draft tokens
+               "stats": {...},                # speculative statistics so far (SpecStats.to_dict())
+               "timings": {...}}              # timings so far (predicted_n, predicted_per_second, ...)
+
+`stats` (only when speculation is on) and `timings` come at most every LIVE_EVERY_S seconds and
+always in the chunk that ends the answer (the one with a finish_reason), so the final figures are
+the generation's own. A chunk's text comes from the tokens in its `draft` list; a token whose text
+is held back (part of a UTF-8 character or of a possible stop string) is listed with the chunk
+that finally carries its text.
+
+A request may ask for a shorter draft length than the server's with
+`"speculative": {"num_speculative_tokens": k}`, 0 <= k <= the server's k (0: no speculation for
+this request). The same proposer is used (one generation runs at a time), only its k changes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..errors import MtpllmError
+
+LIVE_EVERY_S = 0.25
+
+
+class SpecTrace:
+    """Builds the `mtpllm` object of each chunk of one stream."""
+
+    def __init__(self):
+        self.flags: list[bool] = []
+        self.last_live = float("-inf")
+
+    def add(self, r) -> None:
+        """Every Response of the stream, whether or not it becomes a chunk."""
+        if r.token is not None:
+            self.flags.append(bool(r.draft))
+
+    def field(self, r) -> dict:
+        """The object for the chunk that `r` (the latest Response) produces."""
+        out = {"draft": self.flags, "accepted": sum(self.flags)}
+        self.flags = []
+        now = time.monotonic()
+        if r.finish_reason is not None or now - self.last_live >= LIVE_EVERY_S:
+            self.last_live = now
+            if r.stats is not None:
+                out["stats"] = r.stats.to_dict()
+            if r.timings is not None:
+                out["timings"] = r.timings.to_dict()
+        return out
+
+
+def max_draft_length(spec) -> int:
+    """The server's draft length k (0 without speculation)."""
+    return spec.cfg.num_speculative_tokens if spec is not None else 0
+
+
+def request_spec(spec, body: dict):
+    """The speculative decoder for one request: the server's `spec`, or the same proposer with the
+    draft length the request asks for, or None (plain decoding) for k = 0."""
+    s = body.get("speculative")
+    if s is None:
+        return spec
+    if not isinstance(s, dict) or set(s) != {"num_speculative_tokens"}:
+        raise MtpllmError("'speculative' must be an object {\"num_speculative_tokens\": k}")
+    k, hi = s["num_speculative_tokens"], max_draft_length(spec)
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hi:
+        raise MtpllmError(f"'speculative.num_speculative_tokens' must be an integer in 0..{hi} (this server's "
+                          f"draft length), got {k!r}")
+    if k == 0:
+        return None
+    if k == hi:
+        return spec
+    cfg = replace(spec.cfg, num_speculative_tokens=k, min_speculative_tokens=min(spec.cfg.min_speculative_tokens, k))
+    return type(spec)(spec.proposer, cfg)
