@@ -262,6 +262,9 @@ def cmd_serve(argv: list[str]) -> int:
                         "API (repeatable; default: none)")
     g.add_argument("--max-body-bytes", type=_positive_int, default=None,
                    help="largest request body accepted, in bytes (default 8 MiB); larger: 413")
+    g.add_argument("-np", "--parallel", type=_positive_int, default=1,
+                   help="sequences generated at once, each with its own cache and speculation (default 1); "
+                        "above 1 they are batched: one forward per step for all of them")
     g.add_argument("--max-queue", type=_nonneg_int, default=64,
                    help="generation requests that may wait for a slot (default 64); more: 429 with Retry-After")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
@@ -288,7 +291,7 @@ def cmd_serve(argv: list[str]) -> int:
     spec_cfg = spec_from_args(a)
     eng = load_engine(a)
     from .registry import resolve_model
-    server = Server(eng, resolve_model(a.model).name, spec_cfg, params, max_queue=a.max_queue)
+    server = Server(eng, resolve_model(a.model).name, spec_cfg, params, parallel=a.parallel, max_queue=a.max_queue)
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
           f"{', speculative ' + server.spec_label if server.spec_label else ''}"
           f"{', API key required' if api_key else ''})", file=sys.stderr)

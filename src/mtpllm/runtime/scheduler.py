@@ -41,8 +41,9 @@ class Request:
     `cancel()` stops it within one step and frees its slot."""
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, prompt: list[int], params: SamplingParams):
+    def __init__(self, prompt: list[int], params: SamplingParams, decoder=...):
         self.id = next(Request._ids)
+        self.decoder = decoder  # ... = the scheduler's; None = plain decoding
         self.prompt = list(prompt)
         self.params = params
         self.queue: queue.Queue = queue.Queue()
@@ -95,10 +96,12 @@ class Scheduler:
         self.thread.start()
 
     # ------------------------------------------------------------------ client side
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, decoder=...) -> Request:
+        """Queue a generation; `decoder`: this request's speculative decoder (... = the scheduler's,
+        None = plain decoding; one built on the same proposer shares its draft state on the slot)."""
         params = params or SamplingParams()
         self.engine._check_prompt(prompt_ids)
-        req = Request(prompt_ids, params)
+        req = Request(prompt_ids, params, decoder)
         with self.cv:
             if not self.accepting:
                 raise MtpllmError("the server is shutting down")
@@ -135,26 +138,24 @@ class Scheduler:
         then cancel what is left and stop the thread."""
         with self.cv:
             self.accepting = False
-        deadline = time.monotonic() + max(0.0, timeout)
-        while time.monotonic() < deadline:
-            with self.cv:
-                if not self.running and not self.waiting:
-                    break
-            time.sleep(0.02)
+        self._wait_idle(timeout)
         with self.cv:
-            for r in list(self.waiting) + [a.req for a in self.running.values()]:
+            for r in list(self.waiting) + [a.req for a in self.running.values() if a is not None]:
                 r.cancel()
             self.cv.notify()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            with self.cv:
-                if not self.running and not self.waiting:
-                    break
-            time.sleep(0.02)
+        self._wait_idle(5.0)  # cancelled sequences leave within a step
         with self.cv:
             self._stop = True
             self.cv.notify()
         self.thread.join(timeout=5.0)
+
+    def _wait_idle(self, seconds: float) -> None:
+        deadline = time.monotonic() + max(0.0, seconds)
+        while time.monotonic() < deadline:
+            with self.cv:
+                if not self.running and not self.waiting:
+                    return
+            time.sleep(0.02)
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -234,7 +235,8 @@ class Scheduler:
         eng = self.engine
         timings = Timings(load_ms=eng.load_ms)
         try:
-            seq = eng.new_sequence(req.prompt, req.params, self.decoder if self.decoder.speculative else None, slot)
+            dec = self.decoder if req.decoder is ... else req.decoder
+            seq = eng.new_sequence(req.prompt, req.params, dec if dec is not None and dec.speculative else None, slot)
             t0 = time.perf_counter()
             block = seq.decoder.start(eng, seq)
         except Exception as e:  # noqa: BLE001

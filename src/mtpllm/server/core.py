@@ -7,6 +7,7 @@ HTTP layer (app.py) validates requests with `prepare` (in a worker thread) and c
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 from collections.abc import Iterator
 
@@ -27,6 +28,11 @@ class Server:
         self.parallel = parallel  # slots: sequences generated at once
         self.max_queue = max_queue  # requests that may wait for a slot; beyond: 429
         self.lock = threading.Lock()
+        # several slots: the continuous-batching scheduler (one forward per step for all of them)
+        self.scheduler = None
+        if parallel > 1:
+            from ..runtime.scheduler import Scheduler
+            self.scheduler = Scheduler(engine, self.spec, n_slots=parallel, max_queue=max_queue + parallel)
         self.metrics = Metrics(parallel)
         self.cancelled = 0  # generations stopped early because their client went away
         self.busy = 0  # generations running
@@ -116,6 +122,9 @@ class Server:
         `spec`: this request's speculative decoder (... = the server's, None = plain decoding).
         Today: one sequence at a time on a lock, the engine's prefix cache reused between requests."""
         spec = self.spec if spec is ... else spec
+        if self.scheduler is not None:
+            yield from self._generate_batched(ids, params, cancel, spec)
+            return
         started = False
         try:
             while not self.lock.acquire(timeout=0.05):
@@ -139,8 +148,37 @@ class Server:
         finally:
             self._left(started)
 
+    def _generate_batched(self, ids, params, cancel: threading.Event, spec) -> Iterator:
+        """`generate` through the scheduler: the request joins the running batch when a slot is
+        free; setting `cancel` (or closing this generator) cancels it within one step."""
+        req = self.scheduler.submit(ids, params, spec)
+        started = False
+        try:
+            while True:
+                try:
+                    item = req.queue.get(timeout=0.05)
+                except queue.Empty:
+                    if cancel.is_set():
+                        req.cancel()
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if not started:
+                    self._started()
+                    started = True
+                yield item
+                if item.finish_reason is not None:
+                    return
+                if cancel.is_set():
+                    req.cancel()
+        finally:
+            req.cancel()  # a consumer that stopped early; nothing once the request has finished
+            self._left(started)
+
     def slots(self) -> list[dict]:
         """llama.cpp's `/slots`: one entry per slot."""
+        if self.scheduler is not None:
+            return [{**d, "speculative": self.spec_label} for d in self.scheduler.slots_info()]
         n_ctx = self.engine.n_ctx
         return [{"id": i, "n_ctx": n_ctx, "is_processing": i < self.busy, "speculative": self.spec_label}
                 for i in range(self.parallel)]
