@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.cache import CacheGroup, RecurrentCache
-from .layers import ROW_BY_ROW_MAX, Attention, MLP, RMSNorm
+from ..runtime.linear import GEMM_MIN_ROWS
+from .layers import Attention, MLP, RMSNorm
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (transformers and the FLA kernels use 64)
 L2_EPS = 1e-6  # transformers' l2norm epsilon (FLA's)
@@ -86,10 +87,10 @@ def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK
 
 
 def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an elementwise fn, each row alone in verification blocks (1 < T <= ROW_BY_ROW_MAX):
+    """fn(x) for an elementwise fn, each row alone in verification blocks (1 < T < GEMM_MIN_ROWS):
     vectorised exp/sigmoid give other bits than their scalar tail, and where a row falls in the
     flat tensor depends on T; one row at a time it gets the bits of one-token decoding."""
-    if 1 < x.shape[0] <= ROW_BY_ROW_MAX:
+    if 1 < x.shape[0] < GEMM_MIN_ROWS:
         return torch.cat([fn(r) for r in x.split(1)])
     return fn(x)
 
