@@ -85,7 +85,7 @@ def test_stream_carries_draft_marks_and_stats(spec_client):
     assert len(st["per_position_acceptance"]) == 3 and t["predicted_n"] == 40
     # the same text as the answer without streaming
     full = spec_client.post("/v1/chat/completions", json={**CHAT, "stream": False}).json()
-    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == full["choices"][0]["message"]["content"]
+    assert "".join((e["choices"][0]["delta"].get("content") or "") for e in ev) == full["choices"][0]["message"]["content"]
     assert spec_client.get("/props").json()["speculative_n_max"] == 3
 
 
@@ -135,7 +135,7 @@ def test_serve_flags_are_checked(capsys, monkeypatch):
     from mtpllm.cli import main
     monkeypatch.delenv("MTPLLM_API_KEY", raising=False)
     assert main(["serve", "--api-key", " ", "--no-webui"]) == 1
-    assert "--api-key is empty" in capsys.readouterr().err
+    assert "--api-key must be non-empty" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- browser
