@@ -553,22 +553,23 @@ def test_head_trunk_hash_of_the_wrong_type(tmp_path, tiny1):
         check_head_trunk(GGUFFile(p), tiny1)
 
 
+def _with_tensor(src, out, name: str, data: np.ndarray, qtype):
+    """A copy of the GGUF file `src` at `out` with tensor `name` replaced by `data` of type `qtype`."""
+    g = GGUFFile(src)
+    tensors = {n: (g.raw(n), t.qtype) for n, t in g.tensors.items()}
+    tensors[name] = (data, qtype)
+    meta = {k: v for k, v in g.metadata.items() if k != "general.architecture"}
+    return write_gguf(out, "qwen2", meta, tensors)
+
+
 @pytest.mark.parametrize("qtype,dtype", [(QT.F64, np.float64), (QT.I32, np.int32)])
 def test_matrix_of_a_plain_numeric_type(tmp_path, trunk_engine, qtype, dtype):
     """Found by the fuzzer: a type id flipped to F64 (28) made a matrix that loaded and then failed in
     the first matrix product. F64 and integer types are read for vectors, refused for matrices."""
     src = make_tiny(tmp_path / "t.gguf", "qwen2", n_layers=1)
-    g = GGUFFile(src)
-    tensors = {n: (g.raw(n), t.qtype) for n, t in g.tensors.items()}
-    tensors["blk.0.ffn_gate.weight"] = (np.zeros((512, 256), dtype), qtype)
-    meta = {k: v for k, v in g.metadata.items() if k != "general.architecture"}
-    p = write_gguf(tmp_path / "f64.gguf", "qwen2", meta, tensors)
+    p = _with_tensor(src, tmp_path / "f64.gguf", "blk.0.ffn_gate.weight", np.zeros((512, 256), dtype), qtype)
     expect_clean(p, "blk.0.ffn_gate.weight", qtype.name, "not supported for a matrix")
     head = make_tiny_head(tmp_path / "h.gguf", "qwen2", n_layers=1)
-    h = GGUFFile(head)
-    tensors = {n: (h.raw(n), t.qtype) for n, t in h.tensors.items()}
-    tensors["blk.1.ffn_up.weight"] = (np.zeros((256, 256), dtype), qtype)
-    meta = {k: v for k, v in h.metadata.items() if k != "general.architecture"}
-    p = write_gguf(tmp_path / "hf64.gguf", "qwen2", meta, tensors)
+    p = _with_tensor(head, tmp_path / "hf64.gguf", "blk.1.ffn_up.weight", np.zeros((256, 256), dtype), qtype)
     with pytest.raises(MtpllmError, match="blk.1.ffn_up.weight. has type .*, which is not supported"):
         load_mtp_head(GGUFFile(p), trunk_engine.model)

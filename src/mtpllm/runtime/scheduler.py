@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,7 +71,6 @@ class _Active:
     out: OutputText
     timings: Timings
     t_gen: float = 0.0  # when its generation (after the prefill) started
-    last_block: list = field(default_factory=list)
 
 
 class Scheduler:

@@ -15,7 +15,6 @@ Decoders split a step into `plan` (the rows to feed: the last token, plus drafts
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -264,7 +263,3 @@ def first_stop(text: str, stops: list[str], start: int = 0) -> int | None:
     """Where the earliest stop string begins in text[start:] (as an index into text), or None."""
     found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(found) if found else None
-
-
-def now_ms() -> float:
-    return time.perf_counter() * 1e3
