@@ -100,6 +100,7 @@ class Transformer(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.source: Path | None = None
+        self.gguf = None  # the opened model file (GGUF or Hugging Face checkpoint), set by load_model
         self._stack = None  # all blocks as one C++ DecodeStack (built on first use); False: not covered
 
     def make_cache(self, max_len: int, device="cpu") -> KVCache:

@@ -82,6 +82,9 @@ class Engine:
     @classmethod
     def load(cls, name_or_path: str, n_ctx: int | None = None, mode: str = "fast", threads: int | None = None,
              cfg_overrides: dict | None = None, device: str = "cpu") -> "Engine":
+        """Load a registry model, GGUF file or Hugging Face checkpoint directory. `threads` sets
+        PyTorch's thread count for the whole process (`torch.set_num_threads`), as the CLI's `-t` does;
+        leave it None to keep the process's setting."""
         device = resolve_device(device)
         if threads:
             torch.set_num_threads(int(threads))
