@@ -17,7 +17,7 @@ pytest.importorskip("prometheus_client")
 
 from mtpllm.runtime.engine import Engine  # noqa: E402
 from mtpllm.runtime.sampling import SamplingParams  # noqa: E402
-from server_proc import ServerProcess, metric, metric_sum  # noqa: E402
+from server_proc import metric, metric_sum  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 
 KEY = "sk-test-key-31"
@@ -32,11 +32,9 @@ def model(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def srv(model, tmp_path_factory):
-    s = ServerProcess(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
-                      "--spec-draft-n-max", "2", log_dir=tmp_path_factory.mktemp("serve"), ctx=CTX)
-    yield s
-    s.stop()
+def srv(model, serve_process):
+    return serve_process(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
+                         "--spec-draft-n-max", "2", ctx=CTX)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +143,35 @@ def test_logit_bias_through_http(oai, engine, http):
                                        "ignore_eos": True, "return_tokens": True,
                                        "logit_bias": [[first, False]]}).json()
     assert first not in d["tokens"]
+
+
+def test_logprobs_through_the_openai_package(oai, engine, http):
+    """Chat `logprobs`/`top_logprobs` and /completion's `n_probs` from the MTP server: the plain
+    engine's values; the same request with speculation off for it (k = 0) gives the same again."""
+    ids = engine.encode_prompt(messages=CHAT)
+    engine.reset()
+    ref = [r for r in engine.stream(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=4))
+           if r.token is not None]
+    kw = dict(model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
+    r = oai.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    # another process (its own thread count): equal up to float summation order
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref], abs=1e-4)
+    assert [[a.logprob for a in c.top_logprobs] for c in content] == \
+        [pytest.approx([v for _, v in x.top_logprobs], abs=1e-4) for x in ref]
+    assert [bytes(c.bytes) for c in content] == [engine.tokenizer.token_bytes(x.token) for x in ref]
+    off = oai.chat.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 0}})
+    assert off.choices[0].logprobs.content == content
+    streamed = [c for ch in oai.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+                if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert streamed == content
+    d = http.post("/completion", json={"prompt": ids, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+                                       "n_probs": 4}).json()
+    probs = d["completion_probabilities"]
+    assert [p["id"] for p in probs] == [x.token for x in ref]
+    assert [p["logprob"] for p in probs] == [c.logprob for c in content]  # the server's own: bit for bit
+    assert [[a["id"] for a in p["top_logprobs"]] for p in d["completion_probabilities"]] == \
+        [[i for i, _ in x.top_logprobs] for x in ref]
 
 
 # ------------------------------------------------------------------------ llama.cpp endpoints
