@@ -278,3 +278,31 @@ def test_cancel_during_prefill_keeps_the_evaluated_prefix(eng_long):
         _drain_into(again, rs)
     assert [(x.token, x.logprob, x.top_logprobs) for x in rs if x.token is not None] == want
     assert rs[-1].timings.cached_n == 2 * CHUNK
+
+
+def test_chunked_prefill_on_a_hybrid_model(tmp_path):
+    """Recurrent (gated delta-net) layers carry their state from chunk to chunk: a prompt prefilled
+    in CHUNK-token steps beside a decoding sequence gives both their solo answers."""
+    tiny_hybrid = pytest.importorskip("tiny_hybrid")
+    pytest.importorskip("transformers")
+    d, _ = tiny_hybrid.make_tiny_hf(tmp_path / "q35", "qwen35", mtp=False)
+    eng = Engine.load(str(tiny_hybrid.hf_to_gguf(d, tmp_path / "q35.gguf")), n_ctx=256)
+    eng.prefill_chunk = CHUNK
+    short = [5, 17, 200, 33]
+    long_ = [5, 17, 200, 33, 9, 101, 44, 3, 250, 7, 66, 12] * 10
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1)
+    want = [_solo_stream(eng, short, p), _solo_stream(eng, long_, p)]
+    eng.reset()
+    sched = Scheduler(eng, None, n_slots=2, start=False)
+    a = sched.submit(short, p)
+    sched.step()
+    b = sched.submit(long_, p)
+    got = [[], []]
+    steps = 0
+    while not got[1] or got[1][-1].finish_reason is None or got[0][-1].finish_reason is None:
+        sched.step()
+        steps += 1
+        _drain_into(a, got[0])
+        _drain_into(b, got[1])
+        assert steps < 200
+    assert [[(r.token, r.logprob, r.top_logprobs) for r in g if r.token is not None] for g in got] == want
