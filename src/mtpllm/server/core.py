@@ -119,8 +119,9 @@ class Server:
         finish_reason), through the scheduler: the request joins the running batch when a slot is
         free. Runs in a worker thread, one per request. Contract with the HTTP layer: setting
         `cancel` (or closing this generator) stops it within one step, waiting for a slot or
-        generating; `_started()` is called when the sequence gets a slot and `_left(started)` when
-        it ends (the caller has `admit`ted it); an exception fails this request only.
+        generating; `_started()` is called when the sequence has a slot (its prompt being
+        evaluated or its first token out) and `_left(started)` when it ends (the caller has
+        `admit`ted it); an exception fails this request only.
 
         `spec`: this request's speculative decoder (... = the server's, None = plain decoding)."""
         req = self.scheduler.submit(ids, params, self.spec if spec is ... else spec)
@@ -132,6 +133,9 @@ class Server:
                 except queue.Empty:
                     if cancel.is_set():
                         req.cancel()
+                    if not started and req.slot is not None:  # admitted: its prompt is being evaluated
+                        self._started()
+                        started = True
                     continue
                 if isinstance(item, BaseException):
                     raise item
