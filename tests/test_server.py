@@ -167,6 +167,9 @@ def test_cli_serve_rejects_bad_options(capsys):
     assert "--shutdown-timeout must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--api-key", "two words"]) == 1
     assert "--api-key must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "-ub", "0"])
+    assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
 
 
 def test_cli_serve_reads_the_key_from_the_environment(monkeypatch, capsys):

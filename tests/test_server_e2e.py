@@ -23,6 +23,7 @@ from tiny import make_tiny  # noqa: E402
 KEY = "sk-test-key-31"
 ORIGIN = "http://allowed.example"
 CTX = 512
+UBATCH = 64  # -ub: long prompts (up to CTX) are evaluated in chunks between decoding steps
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -34,12 +35,14 @@ def model(tiny_dir):
 @pytest.fixture(scope="module")
 def srv(model, serve_process):
     return serve_process(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
-                         "--spec-draft-n-max", "2", ctx=CTX)
+                         "--spec-draft-n-max", "2", "-ub", str(UBATCH), ctx=CTX)
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine.load(str(model), n_ctx=CTX)
+    e = Engine.load(str(model), n_ctx=CTX)
+    e.prefill_chunk = UBATCH  # the server's prompt chunks: the same results, bit for bit
+    return e
 
 
 @pytest.fixture(scope="module")
