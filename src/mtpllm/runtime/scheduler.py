@@ -8,10 +8,10 @@ is evaluated in chunks (chunked prefill): each step runs at most `prefill_budget
 than one such forward; the chunks are the ones a prefill at once runs (`Engine.prefill_steps`),
 so the results are the same bits. Each step then asks every decoding sequence's decoder for its
 rows (1 for plain decoding, 1 + k for a verification), runs all rows through the model in ONE
-forward (`forward_batch`: the
-weights are read once for all sequences, attention runs per sequence in its own cache), and lets
-each decoder commit its rows: acceptance, rollback, its own proposer state. Sequences leave when
-they finish or their client cancels; a cancelled sequence stops within one step.
+forward (`forward_batch`: the weights are read once for all sequences, attention runs per sequence
+in its own cache), and lets each decoder commit its rows: acceptance, rollback, its own proposer
+state. Sequences leave when they finish or their client cancels; a cancelled sequence stops within
+one step.
 
 Every sequence keeps its own speculation (draft state on its slot, statistics, samplers), so a
 sequence's tokens are exactly what it gets alone: greedy identical, sampled with the same seed
