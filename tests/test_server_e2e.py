@@ -177,6 +177,56 @@ def test_logprobs_through_the_openai_package(oai, engine, http):
         [[i for i, _ in x.top_logprobs] for x in ref]
 
 
+def _check_prob(tok, n_top, with_id=True):
+    assert isinstance(tok["token"], str) and tok["logprob"] <= 0.0 and isinstance(tok["bytes"], list)
+    assert bytes(tok["bytes"]).decode("utf-8", "ignore").startswith(tok["token"]) and (not with_id or tok["id"] >= 0)
+    assert len(tok["top_logprobs"]) == n_top
+    for p in tok["top_logprobs"]:
+        assert isinstance(p["token"], str) and p["logprob"] <= 0.0 and isinstance(p["bytes"], list)
+        assert not with_id or p["id"] >= 0
+
+
+def test_n_probs_and_stream(http):
+    # llama.cpp: test_completion.py::test_n_probs, ::test_n_probs_stream
+    body = {"prompt": "I believe the meaning of life is", "n_probs": 10, "temperature": 0.0, "n_predict": 5,
+            "ignore_eos": True}
+    d = http.post("/completion", json=body).json()
+    assert len(d["completion_probabilities"]) == 5
+    for tok in d["completion_probabilities"]:
+        _check_prob(tok, 10)
+    streamed = []
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                e = json.loads(line[6:])
+                if not e["stop"]:
+                    assert len(e["completion_probabilities"]) == 1
+                    streamed += e["completion_probabilities"]
+    assert streamed == d["completion_probabilities"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(oai, stream):
+    # llama.cpp: test_chat_completion.py::test_logprobs, ::test_logprobs_stream (the tokens' bytes
+    # spell the answer: a token may hold part of a character, which its `token` text leaves out)
+    res = oai.chat.completions.create(model="gpt-3.5-turbo-instruct", temperature=0.0, messages=CHAT, max_tokens=5,
+                                      logprobs=True, top_logprobs=10, stream=stream, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c for c in res if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].logprobs is None
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        content = []
+        for c in chunks[1:]:
+            assert c.choices[0].delta.role is None and c.choices[0].logprobs is not None
+            content += c.choices[0].logprobs.content
+    else:
+        text, content = res.choices[0].message.content, res.choices[0].logprobs.content
+    assert len(content) == 5
+    for t in content:
+        _check_prob(t.model_dump(), 10, with_id=False)
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == text
+
+
 # ------------------------------------------------------------------------ llama.cpp endpoints
 def test_completion_fields(http, engine):
     # llama.cpp: test_completion.py::test_completion (return_tokens, truncated, has_new_line, timings)
