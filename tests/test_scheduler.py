@@ -193,13 +193,16 @@ def _drain(req) -> list:
     return out
 
 
-@pytest.mark.parametrize("method", [None, "mtp"])
+@pytest.mark.parametrize("method", [None, "mtp", "draft_model"])
 def test_a_long_prefill_does_not_stall_the_others(eng_long, method):
-    """A 300-token prompt arrives while another sequence decodes: it is evaluated CHUNK tokens per
-    step and the other gets a token in every one of those steps; both answers (tokens and
-    log-probabilities) are the ones each gets alone."""
+    """A 300-token prompt arrives while another sequence decodes: it is evaluated at most CHUNK
+    tokens per step (a draft model's prefill of it too) and the other gets a token in every one of
+    those steps; both answers (tokens and log-probabilities) are the ones each gets alone."""
     eng = eng_long
-    spec = SpecConfig(method, num_speculative_tokens=2).build(eng) if method else None
+    spec = None
+    if method:
+        draft = str(eng.model.source) if method == "draft_model" else None
+        spec = SpecConfig(method, num_speculative_tokens=2, draft_model=draft).build(eng)
     short = eng.tokenizer.encode("the cat sat")
     long_ = eng.tokenizer.encode("the cat sat on the mat and " * 60)[:300]
     pa = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=2)
@@ -210,17 +213,21 @@ def test_a_long_prefill_does_not_stall_the_others(eng_long, method):
     a = sched.submit(short, pa)
     sched.step()
     got_a = _drain(a)
-    assert got_a and sched.prefill_rows == len(short)
+    assert got_a and sched.prefill_rows == len(short) * (2 if method == "draft_model" else 1)
     b = sched.submit(long_, pb)
-    per_step = []  # tokens `a` received in each step while `b` prefills
+    per_step = []  # (tokens `a` received, prompt tokens evaluated) in each step while `b` prefills
     while b.queue.empty():
+        rows = sched.prefill_rows
         sched.step()
-        per_step.append(len([r for r in _drain_into(a, got_a) if r.token is not None]))
+        per_step.append((len([r for r in _drain_into(a, got_a) if r.token is not None]), sched.prefill_rows - rows))
         assert len(per_step) < 100
-    # ceil(299 / 32) = 10 steps: 9 full chunks, then 11 tokens and the last token alone in one step
-    assert len(per_step) == -(-(len(long_) - 1) // CHUNK)
-    assert all(n >= 1 for n in per_step)  # a token (or an accepted draft block) in every step
-    assert sched.prefill_rows == len(short) + len(long_)
+    assert all(n >= 1 for n, _ in per_step)  # a token (or an accepted draft block) in every step
+    assert all(0 < rows <= CHUNK for _, rows in per_step)
+    drafted = len(long_) if method == "draft_model" else 0  # the draft model's own prefill
+    assert sum(rows for _, rows in per_step) == len(long_) + drafted
+    if method != "draft_model":
+        # ceil(299 / 32) = 10 steps: 9 full chunks, then 11 tokens and the last token alone in one step
+        assert len(per_step) == -(-(len(long_) - 1) // CHUNK)
     got_b = _drain(b)
     while got_a[-1].finish_reason is None or not got_b or got_b[-1].finish_reason is None:
         sched.step()

@@ -210,12 +210,16 @@ class SpeculativeDecoder:
         return run_steps(self.start_steps(engine, seq))
 
     def start_steps(self, engine, seq):
-        """`start` one target prefill forward at a time (see `Engine.prefill_steps`)."""
+        """`start` one prefill forward at a time (see `Engine.prefill_steps`): the target's, then a
+        draft model's (a proposer with `begin_steps`; the others' prompt work is one step)."""
         prop, st = self.proposer, seq.draft
         hidden_last = yield from engine.prefill_steps(seq, max_reuse=prop.reusable_prefix(st, seq.prompt))
         logits = engine.model.logits(hidden_last)
         x0 = seq.sampler.sample(logits[0], seq.history)
-        prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
+        if hasattr(prop, "begin_steps"):
+            yield from prop.begin_steps(st, seq.prompt, seq.prompt_hidden, seq.cached_n, engine.prefill_chunk)
+        else:
+            prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
         seq.history.append(x0)
         seq.x0 = x0
         return seq.block([x0], 0, logits)
