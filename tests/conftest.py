@@ -26,3 +26,20 @@ def tiny_models(tiny_dir):
 def tiny_mtp(tiny_dir):
     """A tiny qwen2 model with one MTP block in llama.cpp's in-file layout."""
     return make_tiny(tiny_dir / "tiny-qwen2-mtp.gguf", "qwen2", nextn=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def serve_process(tmp_path_factory):
+    """Start `mtpllm serve` processes on loopback: `serve_process(model, *args, ctx=512, env=None,
+    threads=1, timeout=180)` -> a ready `server_proc.ServerProcess` (url, log(), terminate(), stop()).
+    Every one started is stopped when the module's tests are done."""
+    from server_proc import ServerProcess
+    started = []
+
+    def start(model, *args, **kw):
+        s = ServerProcess(model, *args, log_dir=tmp_path_factory.mktemp("serve"), **kw)
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        s.stop()

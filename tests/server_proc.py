@@ -1,4 +1,5 @@
-"""`mtpllm serve` as a real process on loopback, for the end-to-end server tests."""
+"""`mtpllm serve` as a real process on loopback, for the end-to-end server tests (started through
+the `serve_process` fixture of conftest.py, which stops them at the end of the module)."""
 from __future__ import annotations
 
 import os
@@ -19,16 +20,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *args: str, log_dir: Path, ctx: int = 512, env: dict | None = None):
+    """`mtpllm serve -m MODEL ARGS...` in a child process on a free loopback port (the default bind),
+    its output in a log file under `log_dir`; ready once /health answers. `threads`: -t (None: the
+    server's default); `timeout`: seconds to wait for it to start."""
+
+    def __init__(self, model, *args: str, log_dir: Path, ctx: int = 512, env: dict | None = None,
+                 threads: int | None = 1, timeout: float = 180):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "mtpllm", "serve", "-m", str(model), "-c", str(ctx), "-t", "1",
-               "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "mtpllm", "serve", "-m", str(model), "-c", str(ctx),
+               *(["-t", str(threads)] if threads else []), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 180  # a cold start may build the CPU kernels
+        deadline = time.monotonic() + timeout  # a cold start may build the CPU kernels
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from mtpllm.runtime.engine import Engine  # noqa: E402
 from mtpllm.runtime.sampling import SamplingParams  # noqa: E402
+from mtpllm.runtime.sequence import PlainDecoder  # noqa: E402
 from mtpllm.server import Server, create_app  # noqa: E402
 from mtpllm.speculative import SpecConfig  # noqa: E402
 from tiny import make_tiny  # noqa: E402
@@ -118,29 +119,41 @@ def test_unknown_paths_and_methods(client):
     assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
 
 
-def test_a_broken_stream_stops_its_generation(engine):
+class _Hooked(PlainDecoder):
+    """Plain decoding that calls `hook(seq)` before each step's commit (on the scheduler's thread)."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def commit(self, engine, seq, hidden, forward_ms=0.0):
+        self.hook(seq)
+        return super().commit(engine, seq, hidden, forward_ms)
+
+
+def _hook_steps(monkeypatch, engine, hook) -> None:
+    real = engine.new_sequence
+
+    def new_sequence(*a, **k):
+        seq = real(*a, **k)
+        seq.decoder = _Hooked(hook)
+        return seq
+    monkeypatch.setattr(engine, "new_sequence", new_sequence)
+
+
+def test_a_broken_stream_stops_its_generation(engine, monkeypatch):
     """A client that leaves in the middle of a stream: its generation stops (it does not run on to
-    max_tokens holding the lock) and the next request is served."""
+    max_tokens holding its slot) and the next request is served."""
     import threading
     server = Server(engine, "srv.gguf")
     c = TestClient(create_app(server))
     gate = threading.Event()
-    real = engine.stream
-
-    def slow_stream(*a, **k):  # one token per 20 ms: the client leaves long before 100 tokens
-        for r in real(*a, **k):
-            gate.wait(0.02)
-            yield r
-    engine.stream = slow_stream
-    try:
-        with c.stream("POST", "/v1/completions", json={"prompt": "the cat", "stream": True, "temperature": 0,
-                                                       "max_tokens": 100, "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break  # leave after the first event
-        d = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY}).json()
-    finally:
-        engine.stream = real
+    _hook_steps(monkeypatch, engine, lambda seq: gate.wait(0.02))  # one token per 20 ms
+    with c.stream("POST", "/v1/completions", json={"prompt": "the cat", "stream": True, "temperature": 0,
+                                                   "max_tokens": 100, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first event
+    d = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY}).json()
     assert d["usage"]["completion_tokens"] == 12
     assert server.cancelled == 1
 
@@ -154,6 +167,9 @@ def test_cli_serve_rejects_bad_options(capsys):
     assert "--shutdown-timeout must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--api-key", "two words"]) == 1
     assert "--api-key must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "-ub", "0"])
+    assert e.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
 
 
 def test_cli_serve_reads_the_key_from_the_environment(monkeypatch, capsys):
@@ -213,55 +229,119 @@ def test_serve_command_real_model_with_mtp():
     assert text == eng.generate(messages=msgs, params=SamplingParams(temperature=0, max_tokens=32)).text
 
 
-def test_an_exception_in_one_request_fails_that_request_only(engine):
+def test_an_exception_in_one_request_fails_that_request_only(engine, monkeypatch):
     """A fault inside generation: a 500 with a JSON body for that request (an error event for a stream);
     the server goes on serving."""
     server = Server(engine, "srv.gguf")
     c = TestClient(create_app(server, access_log=False), raise_server_exceptions=False)
-    real = engine.stream
 
-    def broken(*a, **k):  # two tokens, then a fault
-        for i, r in enumerate(real(*a, **k)):
-            if i == 2:
-                raise RuntimeError("boom")
-            yield r
-    engine.stream = broken
-    try:
+    def boom(seq):  # two tokens, then a fault
+        if len(seq.history) - len(seq.prompt) >= 2:
+            raise RuntimeError("boom")
+    with monkeypatch.context() as m:
+        _hook_steps(m, engine, boom)
         body = {"prompt": "the cat", "temperature": 0, "max_tokens": 50, "ignore_eos": True}
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         assert "boom" not in r.text  # internals stay in the server's log
         ev = _events(c.post("/v1/completions", json={**body, "stream": True}))
         assert ev[-1]["error"]["code"] == 500
-    finally:
-        engine.stream = real
     assert c.post("/v1/completions", json={"prompt": "the cat", **GREEDY}).json()["usage"]["completion_tokens"] == 12
     assert server.busy == 0 and server.waiting == 0
 
 
-def test_a_full_queue_is_429_with_retry_after(engine):
+def test_a_full_queue_is_429_with_retry_after(engine, monkeypatch):
     import threading
     server = Server(engine, "srv.gguf", max_queue=0)  # one generating, none waiting
     c = TestClient(create_app(server, access_log=False))
     gate = threading.Event()
-    real = engine.stream
-
-    def held(*a, **k):  # the first request holds its slot until the gate opens
-        for r in real(*a, **k):
-            gate.wait(10)
-            yield r
-    engine.stream = held
-    try:
-        out = {}
-        t = threading.Thread(target=lambda: out.update(r=c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})))
-        t.start()
-        while server.busy == 0:
-            gate.wait(0.01)
-        r = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert "busy" in r.json()["error"]["message"]
-        gate.set()
-        t.join(30)
-    finally:
-        engine.stream = real
+    _hook_steps(monkeypatch, engine, lambda seq: gate.wait(10))  # the first request holds its slot
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})))
+    t.start()
+    while server.busy == 0:
+        gate.wait(0.01)
+    r = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert "busy" in r.json()["error"]["message"]
+    gate.set()
+    t.join(30)
     assert out["r"].status_code == 200 and server.busy == 0
+
+def _ref_logprobs(engine, ids, n, top):
+    engine.reset()
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
+    return [(r.token, r.logprob, [tuple(x) for x in r.top_logprobs]) for r in engine.stream(ids, p)
+            if r.token is not None]
+
+
+@pytest.mark.parametrize("spec", [None, "mtp", "ngram"])
+def test_logprobs_over_http_are_the_engines(engine, spec):
+    """`n_probs` (/completion), `logprobs` (/v1/completions), `logprobs` + `top_logprobs` (chat),
+    streamed and not: the engine's plain-decoding values exactly, whatever speculation serves them."""
+    c = TestClient(create_app(Server(engine, "srv.gguf", SpecConfig(spec, 3) if spec else None)))
+    prompt = "the cat the cat the cat sat on the"
+    ref = _ref_logprobs(engine, engine.tokenizer.encode(prompt), 12, 3)
+    assert len(ref) == 12
+
+    # llama.cpp: completion_probabilities [{id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}]
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "ignore_eos": True, "n_probs": 3}
+    d = c.post("/completion", json=body).json()
+    probs = d["completion_probabilities"]
+    assert [(p["id"], p["logprob"], [(a["id"], a["logprob"]) for a in p["top_logprobs"]]) for p in probs] == ref
+    assert bytes(b for p in probs for b in p["bytes"]).decode("utf-8", "replace") == d["content"]
+    for p in probs:  # the text: the bytes' valid UTF-8 (all of them but a cut character)
+        assert p["bytes"] == list(engine.tokenizer.token_bytes(p["id"]))
+        assert bytes(p["bytes"]).startswith(p["token"].encode()) and len(p["bytes"]) - len(p["token"].encode()) < 4
+    ev = _events(c.post("/completion", json={**body, "stream": True}))
+    assert [p for e in ev for p in e.get("completion_probabilities", [])] == probs
+    assert "completion_probabilities" not in c.post("/completion", json={**body, "n_probs": 0}).json()
+
+    # OpenAI legacy: {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset}
+    body = {"prompt": prompt, **GREEDY, "logprobs": 3}
+    d = c.post("/v1/completions", json=body).json()["choices"][0]
+    lp = d["logprobs"]
+    assert lp["token_logprobs"] == [r[1] for r in ref] and len(lp["tokens"]) == 12
+    assert all(len(t) <= 3 and max(t.values()) == r[2][0][1] for t, r in zip(lp["top_logprobs"], ref))
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(12)]
+    ev = _events(c.post("/v1/completions", json={**body, "stream": True}))
+    parts = [e["choices"][0]["logprobs"] for e in ev if e != "[DONE]" and e["choices"]]
+    assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
+    assert [x for p in parts for x in p["text_offset"]] == lp["text_offset"]
+    assert c.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"][
+        "top_logprobs"] == [{}] * 12
+    assert c.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]["logprobs"] is None
+
+    # OpenAI chat: logprobs.content [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]
+    msgs = [{"role": "user", "content": "hello there"}]
+    cref = _ref_logprobs(engine, engine.encode_prompt(messages=msgs), 10, 2)
+    body = {"messages": msgs, "temperature": 0, "max_tokens": 10, "ignore_eos": True, "logprobs": True,
+            "top_logprobs": 2}
+    d = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = d["logprobs"]["content"]
+    assert [(e["logprob"], [a["logprob"] for a in e["top_logprobs"]]) for e in content] == \
+        [(r[1], [a[1] for a in r[2]]) for r in cref]
+    assert [e["bytes"] for e in content] == [list(engine.tokenizer.token_bytes(r[0])) for r in cref]
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    ev = _events(c.post("/v1/chat/completions", json={**body, "stream": True}))
+    streamed = [x for e in ev[1:] if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]
+                for x in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+    d = c.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    assert d["choices"][0]["logprobs"] is None
+    d = c.post("/v1/chat/completions", json={**body, "top_logprobs": 0}).json()
+    assert all(e["top_logprobs"] == [] for e in d["choices"][0]["logprobs"]["content"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_token_bytes_spell_the_text(tiny_models, arch):
+    """The bytes of each token (byte-level BPE; SentencePiece with byte fallback and '▁' for
+    spaces) put together are the text's UTF-8: what log-probabilities report per token."""
+    from mtpllm.gguf import GGUFFile
+    from mtpllm.tokenizer import GGUFTokenizer
+    g = GGUFFile(tiny_models[arch])
+    tok = GGUFTokenizer(g.metadata, g.arch)
+    text = "the cat  sat on \u00e9t\u00e9 \u4e2d"
+    ids = tok.encode(text, add_special=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert any(len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)  # a cut character

@@ -17,12 +17,13 @@ pytest.importorskip("prometheus_client")
 
 from mtpllm.runtime.engine import Engine  # noqa: E402
 from mtpllm.runtime.sampling import SamplingParams  # noqa: E402
-from server_proc import ServerProcess, metric, metric_sum  # noqa: E402
+from server_proc import metric, metric_sum  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 
 KEY = "sk-test-key-31"
 ORIGIN = "http://allowed.example"
 CTX = 512
+UBATCH = 64  # -ub: long prompts (up to CTX) are evaluated in chunks between decoding steps
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -32,16 +33,16 @@ def model(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def srv(model, tmp_path_factory):
-    s = ServerProcess(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
-                      "--spec-draft-n-max", "2", log_dir=tmp_path_factory.mktemp("serve"), ctx=CTX)
-    yield s
-    s.stop()
+def srv(model, serve_process):
+    return serve_process(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
+                         "--spec-draft-n-max", "2", "-ub", str(UBATCH), ctx=CTX)
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine.load(str(model), n_ctx=CTX)
+    e = Engine.load(str(model), n_ctx=CTX)
+    e.prefill_chunk = UBATCH  # the server's prompt chunks: the same results, bit for bit
+    return e
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,85 @@ def test_logit_bias_through_http(oai, engine, http):
                                        "ignore_eos": True, "return_tokens": True,
                                        "logit_bias": [[first, False]]}).json()
     assert first not in d["tokens"]
+
+
+def test_logprobs_through_the_openai_package(oai, engine, http):
+    """Chat `logprobs`/`top_logprobs` and /completion's `n_probs` from the MTP server: the plain
+    engine's values; the same request with speculation off for it (k = 0) gives the same again."""
+    ids = engine.encode_prompt(messages=CHAT)
+    engine.reset()
+    ref = [r for r in engine.stream(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=4))
+           if r.token is not None]
+    kw = dict(model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=4)
+    r = oai.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    # another process (its own thread count): equal up to float summation order
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref], abs=1e-4)
+    assert [[a.logprob for a in c.top_logprobs] for c in content] == \
+        [pytest.approx([v for _, v in x.top_logprobs], abs=1e-4) for x in ref]
+    assert [bytes(c.bytes) for c in content] == [engine.tokenizer.token_bytes(x.token) for x in ref]
+    off = oai.chat.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 0}})
+    assert off.choices[0].logprobs.content == content
+    streamed = [c for ch in oai.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+                if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert streamed == content
+    d = http.post("/completion", json={"prompt": ids, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+                                       "n_probs": 4}).json()
+    probs = d["completion_probabilities"]
+    assert [p["id"] for p in probs] == [x.token for x in ref]
+    assert [p["logprob"] for p in probs] == [c.logprob for c in content]  # the server's own: bit for bit
+    assert [[a["id"] for a in p["top_logprobs"]] for p in d["completion_probabilities"]] == \
+        [[i for i, _ in x.top_logprobs] for x in ref]
+
+
+def _check_prob(tok, n_top, with_id=True):
+    assert isinstance(tok["token"], str) and tok["logprob"] <= 0.0 and isinstance(tok["bytes"], list)
+    assert bytes(tok["bytes"]).decode("utf-8", "ignore").startswith(tok["token"]) and (not with_id or tok["id"] >= 0)
+    assert len(tok["top_logprobs"]) == n_top
+    for p in tok["top_logprobs"]:
+        assert isinstance(p["token"], str) and p["logprob"] <= 0.0 and isinstance(p["bytes"], list)
+        assert not with_id or p["id"] >= 0
+
+
+def test_n_probs_and_stream(http):
+    # llama.cpp: test_completion.py::test_n_probs, ::test_n_probs_stream
+    body = {"prompt": "I believe the meaning of life is", "n_probs": 10, "temperature": 0.0, "n_predict": 5,
+            "ignore_eos": True}
+    d = http.post("/completion", json=body).json()
+    assert len(d["completion_probabilities"]) == 5
+    for tok in d["completion_probabilities"]:
+        _check_prob(tok, 10)
+    streamed = []
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                e = json.loads(line[6:])
+                if not e["stop"]:
+                    assert len(e["completion_probabilities"]) == 1
+                    streamed += e["completion_probabilities"]
+    assert streamed == d["completion_probabilities"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(oai, stream):
+    # llama.cpp: test_chat_completion.py::test_logprobs, ::test_logprobs_stream (the tokens' bytes
+    # spell the answer: a token may hold part of a character, which its `token` text leaves out)
+    res = oai.chat.completions.create(model="gpt-3.5-turbo-instruct", temperature=0.0, messages=CHAT, max_tokens=5,
+                                      logprobs=True, top_logprobs=10, stream=stream, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c for c in res if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].logprobs is None
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        content = []
+        for c in chunks[1:]:
+            assert c.choices[0].delta.role is None and c.choices[0].logprobs is not None
+            content += c.choices[0].logprobs.content
+    else:
+        text, content = res.choices[0].message.content, res.choices[0].logprobs.content
+    assert len(content) == 5
+    for t in content:
+        _check_prob(t.model_dump(), 10, with_id=False)
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == text
 
 
 # ------------------------------------------------------------------------ llama.cpp endpoints

@@ -7,7 +7,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from server_proc import ServerProcess, metric  # noqa: E402
+from server_proc import metric  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 
 GRACE = 4.0  # --shutdown-timeout
@@ -26,9 +26,9 @@ def _stream(url, body, out: dict):
         out["error"] = exc
 
 
-def test_sigterm_drains_then_cancels(tiny_dir, tmp_path):
+def test_sigterm_drains_then_cancels(tiny_dir, serve_process):
     model = make_tiny(tiny_dir / "term.gguf", "qwen2", seed=9, ctx=CTX)
-    srv = ServerProcess(model, "--shutdown-timeout", str(GRACE), log_dir=tmp_path, ctx=CTX)
+    srv = serve_process(model, "--shutdown-timeout", str(GRACE), ctx=CTX)
     try:
         # this machine's speed: the short request is sized to ~1 s of generation (done well within GRACE)
         t = httpx.post(srv.url + "/completion", json={"prompt": "x", "n_predict": 200, "ignore_eos": True},

@@ -10,9 +10,6 @@ temporary folder."""
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -139,46 +136,6 @@ def test_serve_flags_are_checked(capsys, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- browser
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`mtpllm serve` in a child process on loopback."""
-
-    def __init__(self, args: list[str], log: Path, timeout: float = 180):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mtpllm", "serve", *args, "--host", "127.0.0.1",
-                                          "--port", str(self.port)], stdout=out, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{log.read_text()}")
-            try:
-                if httpx.get(self.url + "health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise RuntimeError(f"the server did not start in {timeout} s:\n{log.read_text()}")
-            time.sleep(0.25)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM:
@@ -191,11 +148,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory, browser):
-    s = ServerProcess(["-m", str(chat_model), "-c", str(CTX), "-t", "1", "--spec-type", "draft-simple",
-                       "-md", str(chat_model)], tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
+def server(chat_model, serve_process, browser):
+    return serve_process(chat_model, "--spec-type", "draft-simple", "-md", str(chat_model), ctx=CTX)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +198,7 @@ class Page:
 
 
 def _api_answer(server, text, max_tokens, timeout=60):
-    r = httpx.post(server.url + "v1/chat/completions", timeout=timeout, json={
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=timeout, json={
         "messages": [{"role": "user", "content": text}], "temperature": 0, "top_p": 0.95, "max_tokens": max_tokens})
     return r.json()["choices"][0]["message"]["content"]
 
@@ -295,7 +249,7 @@ def test_chat_streams_marked_tokens_and_keeps_conversations(browser, server, sho
     page.click("#settings-save")
     page.click("text=Regenerate")
     p.wait_idle()
-    r = httpx.post(server.url + "v1/chat/completions", timeout=60, json={
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
         "temperature": 0, "top_p": 0.95, "max_tokens": 40})
     with_system = p.storage()[0]["messages"][1]["content"]
@@ -451,9 +405,8 @@ def test_phone_width(browser, server, shots, scheme):
     p.close()
 
 
-def test_api_key_flow(browser, chat_model, tmp_path_factory):
-    s = ServerProcess(["-m", str(chat_model), "-c", "512", "-t", "1", "--api-key", KEY],
-                      tmp_path_factory.mktemp("keysrv") / "server.log")
+def test_api_key_flow(browser, chat_model, serve_process):
+    s = serve_process(chat_model, "--api-key", KEY, ctx=512)
     try:
         # the browser logs each refused request (401) as a failed resource load
         p = Page(browser, s.url, allow=("401",))
@@ -489,10 +442,9 @@ def test_api_key_flow(browser, chat_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_real_model_page(browser, tmp_path_factory, shots):
+def test_real_model_page(browser, serve_process, shots):
     """The 0.5B with its MTP head: one question, an answer with accepted drafts marked."""
-    s = ServerProcess(["-m", "qwen2.5-coder-0.5b", "-c", "4096", "--spec-type", "draft-mtp"],
-                      tmp_path_factory.mktemp("realsrv") / "server.log", timeout=600)
+    s = serve_process("qwen2.5-coder-0.5b", "--spec-type", "draft-mtp", ctx=4096, threads=None, timeout=600)
     try:
         stored = None
         for scheme in ("light", "dark"):

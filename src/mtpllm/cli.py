@@ -265,6 +265,10 @@ def cmd_serve(argv: list[str]) -> int:
     g.add_argument("-np", "--parallel", type=_positive_int, default=1,
                    help="sequences generated at once, each with its own cache and speculation (default 1); "
                         "above 1 they are batched: one forward per step for all of them")
+    g.add_argument("-ub", "--ubatch-size", type=_positive_int, default=None, metavar="N",
+                   help="prompt tokens per prefill forward (default 512): a long prompt is evaluated N tokens at "
+                        "a time between the decoding steps of the other sequences, so they wait at most one such "
+                        "forward for their next token")
     g.add_argument("--max-queue", type=_nonneg_int, default=64,
                    help="generation requests that may wait for a slot (default 64); more: 429 with Retry-After")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
@@ -290,6 +294,8 @@ def cmd_serve(argv: list[str]) -> int:
     params = sampling_from_args(a)
     spec_cfg = spec_from_args(a)
     eng = load_engine(a)
+    if a.ubatch_size is not None:
+        eng.prefill_chunk = a.ubatch_size
     from .registry import resolve_model
     server = Server(eng, resolve_model(a.model).name, spec_cfg, params, parallel=a.parallel, max_queue=a.max_queue)
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"

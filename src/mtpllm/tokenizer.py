@@ -65,6 +65,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+_UNICODE_TO_BYTE = {u: b for b, u in _bytes_to_unicode().items()}
+_BYTE_LEVEL_ALPHABET = set(_UNICODE_TO_BYTE)
+
+
 def _bad(where: str, key: str, what: str) -> MtpllmError:
     return MtpllmError(f"{where}: tokenizer metadata '{key}' {what}")
 
@@ -176,6 +180,7 @@ class GGUFTokenizer:
         if user:
             tk.add_tokens(user)
         self._tk = tk
+        self._byte_level = type(tk.decoder).__name__ == "ByteLevel"
         self.special_ids = {i for i, ty in enumerate(types) if ty == TOKEN_TYPE_CONTROL}
         self.bos_id = meta.get("tokenizer.ggml.bos_token_id")
         self.eos_id = meta.get("tokenizer.ggml.eos_token_id")
@@ -260,6 +265,23 @@ class GGUFTokenizer:
 
     def token_to_id(self, s: str) -> int | None:
         return self._tk.token_to_id(s)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character for a byte token), with its
+        leading space: what the token adds to a text, as llama.cpp's token_to_piece gives it."""
+        t = self.tokens[i]
+        if i in self.special_ids or not t:
+            return t.encode("utf-8")
+        if self._byte_level:
+            if set(t) <= _BYTE_LEVEL_ALPHABET:
+                return bytes(_UNICODE_TO_BYTE[c] for c in t)
+            return t.encode("utf-8")
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):  # sentencepiece byte fallback
+            try:
+                return bytes([int(t[3:5], 16)])
+            except ValueError:
+                pass
+        return t.replace("\u2581", " ").encode("utf-8")
 
     # ---- chat ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

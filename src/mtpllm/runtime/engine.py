@@ -27,11 +27,20 @@ from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
 from .sampling import SamplingParams, make_sampler
-from .sequence import OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, first_stop
+from .sequence import (OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, first_stop,
+                       run_steps)
 
 __all__ = ["Engine", "Completion", "Response", "Timings", "resolve_device", "check_kv_memory"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the [T, L] attention mask and activations
+
+
+def chunk_bounds(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """The forwards that evaluate prompt positions [start, end): `chunk` tokens at a time, and the
+    last token always alone, through the one-token decoding kernels (a later request that reuses
+    this prefix recomputes just that token, and gets the same bits)."""
+    out = [(a, min(a + chunk, end - 1)) for a in range(start, end - 1, chunk)]
+    return out + [(end - 1, end)]
 
 
 @dataclass
@@ -73,6 +82,9 @@ class Engine:
         self.n_ctx = n_ctx
         self.load_ms = load_ms
         self.device = device
+        # prompt tokens per prefill forward (llama.cpp's ubatch): the server runs at most one such
+        # forward between two decoding steps of the other sequences
+        self.prefill_chunk = PREFILL_CHUNK
         self.slot = self.new_slot()  # the single-stream lane (`stream`): cache and draft states
         if model.cfg.vocab_size < tokenizer.vocab_size:
             raise MtpllmError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
@@ -145,6 +157,13 @@ class Engine:
         common prefix with what the slot's cache holds. Returns the last position's hidden state
         [1, D]; `seq.prompt_hidden` gets the states of every evaluated position, `seq.cached_n`
         how many were reused."""
+        return run_steps(self.prefill_steps(seq, max_reuse))
+
+    def prefill_steps(self, seq: Sequence, max_reuse: int | None = None):
+        """`prefill` one forward at a time: a generator that yields the number of prompt tokens of
+        its next forward before running it (at most `prefill_chunk`; the last token goes alone) and
+        returns what `prefill` returns. The scheduler interleaves these forwards with other
+        sequences' decoding steps; run to the end at once they are exactly `prefill`'s work."""
         slot, prompt = seq.slot, seq.prompt
         cache = slot.cache
         # at least one token must be evaluated
@@ -157,20 +176,19 @@ class Engine:
         cache.trim(cache.length - common)
         slot.tokens = list(prompt[:common])
         seq.cached_n = common
-        hidden = self._evaluate(prompt[common:], cache)
-        slot.tokens = list(prompt)
+        parts = []
+        for a, b in chunk_bounds(common, len(prompt), self.prefill_chunk):
+            yield b - a
+            parts.append(self.model(torch.tensor(prompt[a:b], dtype=torch.long, device=self.device), cache))
+            slot.tokens = list(prompt[:b])  # the cache holds these now (a prefill stopped here leaves them reusable)
+        hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
         seq.prompt_hidden = hidden
         return hidden[-1:]
 
     def _evaluate(self, tokens: list[int], cache) -> torch.Tensor:
-        """Prompt tokens into `cache` in chunks -> their hidden states [T, D]. The last token always
-        goes alone, through the one-token decoding kernels: a later request that reuses this prefix
-        recomputes just that token, and gets the same bits."""
+        """Prompt tokens into `cache` in chunks (`chunk_bounds`) -> their hidden states [T, D]."""
         todo = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        parts = [self.model(todo[s:min(s + PREFILL_CHUNK, todo.shape[0] - 1)], cache)
-                 for s in range(0, todo.shape[0] - 1, PREFILL_CHUNK)]
-        parts.append(self.model(todo[-1:], cache))
-        return torch.cat(parts)
+        return torch.cat([self.model(todo[a:b], cache) for a, b in chunk_bounds(0, len(tokens), self.prefill_chunk)])
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams | None = None, speculative=None,
                      slot: Slot | None = None) -> Sequence:

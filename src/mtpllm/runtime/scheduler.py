@@ -2,12 +2,16 @@
 
 The scheduler owns `n_slots` lanes (`Slot`: a cache and draft states each). Requests wait in a
 bounded queue; between steps a waiting request takes a free slot (the one whose cached tokens share
-the longest prefix with its prompt, so a conversation's next turn reuses its own cache) and is
-prefilled. Each step then asks every running sequence's decoder for its rows (1 for plain decoding,
-1 + k for a verification), runs all rows through the model in ONE forward (`forward_batch`: the
-weights are read once for all sequences, attention runs per sequence in its own cache), and lets
-each decoder commit its rows: acceptance, rollback, its own proposer state. Sequences leave when
-they finish or their client cancels; a cancelled sequence stops within one step.
+the longest prefix with its prompt, so a conversation's next turn reuses its own cache). Its prompt
+is evaluated in chunks (chunked prefill): each step runs at most `prefill_budget` prompt tokens
+(one prefill forward of the engine), so a long prompt never stalls the other sequences for more
+than one such forward; the chunks are the ones a prefill at once runs (`Engine.prefill_steps`),
+so the results are the same bits. Each step then asks every decoding sequence's decoder for its
+rows (1 for plain decoding, 1 + k for a verification), runs all rows through the model in ONE
+forward (`forward_batch`: the weights are read once for all sequences, attention runs per sequence
+in its own cache), and lets each decoder commit its rows: acceptance, rollback, its own proposer
+state. Sequences leave when they finish or their client cancels; a cancelled sequence stops within
+one step.
 
 Every sequence keeps its own speculation (draft state on its slot, statistics, samplers), so a
 sequence's tokens are exactly what it gets alone: greedy identical, sampled with the same seed
@@ -18,6 +22,7 @@ asyncio task can wait on them; the scheduler runs in one background thread.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -30,6 +35,9 @@ import torch
 from ..errors import MtpllmError
 from .sampling import SamplingParams
 from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, common_prefix
+
+
+log = logging.getLogger("mtpllm.scheduler")
 
 
 class QueueFull(MtpllmError):
@@ -71,10 +79,13 @@ class _Active:
     out: OutputText
     timings: Timings
     t_gen: float = 0.0  # when its generation (after the prefill) started
+    prefill: object = None  # while its prompt is evaluated: the decoder's start_steps generator
+    next_rows: int = 0  # prompt tokens of its next prefill forward
 
 
 class Scheduler:
-    def __init__(self, engine, speculative=None, n_slots: int = 1, max_queue: int = 64):
+    def __init__(self, engine, speculative=None, n_slots: int = 1, max_queue: int = 64, start: bool = True):
+        """`start=False`: no background thread; the caller runs `step()` itself."""
         if not isinstance(n_slots, int) or n_slots < 1:
             raise MtpllmError(f"parallel slots must be a positive integer, got {n_slots!r}")
         if n_slots > 1:
@@ -89,10 +100,12 @@ class Scheduler:
         self.cv = threading.Condition()
         self.accepting = True
         self._stop = False
-        self.steps = 0  # forward passes run (observability)
+        self.steps = 0  # decoding forwards run (observability)
+        self.prefill_rows = 0  # prompt tokens evaluated
         self.listeners: list = []  # callables(req, response) called on every finished request
-        self.thread = threading.Thread(target=self._loop, name="mtpllm-scheduler", daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._loop, name="mtpllm-scheduler", daemon=True) if start else None
+        if self.thread is not None:
+            self.thread.start()
 
     # ------------------------------------------------------------------ client side
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, decoder=...) -> Request:
@@ -127,6 +140,7 @@ class Scheduler:
                 if a is not None:
                     d["n_decoded"] = len(a.out.generated)
                     d["n_prompt_tokens"] = len(a.req.prompt)
+                    d["is_prefilling"] = a.prefill is not None
                     if a.seq.stats is not None:
                         d["speculative"] = a.seq.stats.to_dict()
                 info.append(d)
@@ -146,7 +160,8 @@ class Scheduler:
         with self.cv:
             self._stop = True
             self.cv.notify()
-        self.thread.join(timeout=5.0)
+        if self.thread is not None:
+            self.thread.join(timeout=5.0)
 
     def _wait_idle(self, seconds: float) -> None:
         deadline = time.monotonic() + max(0.0, seconds)
@@ -166,13 +181,14 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except Exception:  # a bug in the loop itself: fail what runs, keep serving
-                err = MtpllmError("internal error in the scheduler: " + traceback.format_exc(limit=3))
+            except Exception as e:  # a bug in the loop itself: fail what runs, keep serving
+                log.error("internal error in the scheduler:\n%s", traceback.format_exc())
                 for idx in list(self.running):
-                    self._fail(idx, err)
+                    self._fail(idx, e)
 
     def step(self) -> None:
-        """One scheduling step: drop cancelled, admit waiting, one forward over all running."""
+        """One scheduling step: drop cancelled, admit waiting, at most `prefill_budget` prompt
+        tokens of the sequences still prefilling, then one forward over all decoding ones."""
         with self.cv:
             for r in [r for r in self.waiting if r.cancelled.is_set()]:
                 self.waiting.remove(r)
@@ -187,10 +203,14 @@ class Scheduler:
                 self.running[slot.index] = None  # reserved
         for idx, a in list(self.running.items()):
             if a is not None and a.req.cancelled.is_set():
+                if a.prefill is not None:  # the cache keeps the chunks done so far, as a reusable prefix
+                    a.prefill.close()
+                    a.prefill = None
                 self._finish(idx, Response(None, a.out.flush(), "cancelled", a.timings, a.seq.stats))
         for req, slot in admit:
-            self._start(req, slot)
-        live = [(i, a) for i, a in self.running.items() if a is not None]
+            self._admit(req, slot)
+        self._prefill()
+        live = [(i, a) for i, a in self.running.items() if a is not None and a.prefill is None]
         plans = []
         for idx, a in live:
             try:
@@ -230,32 +250,64 @@ class Scheduler:
                 continue
             self._emit(idx, a, block)
 
-    def _start(self, req: Request, slot) -> None:
+    def _admit(self, req: Request, slot) -> None:
+        """A request takes its slot: its sequence, and its prefill ready to run chunk by chunk."""
         eng = self.engine
-        timings = Timings(load_ms=eng.load_ms)
         try:
             dec = self.decoder if req.decoder is ... else req.decoder
             seq = eng.new_sequence(req.prompt, req.params, dec if dec is not None and dec.speculative else None, slot)
-            t0 = time.perf_counter()
-            block = seq.decoder.start(eng, seq)
+            gen = seq.decoder.start_steps(eng, seq)
+            rows = next(gen)  # finds the reusable prefix; the size of the first prefill forward
         except Exception as e:  # noqa: BLE001
-            slot.reset()  # its cache may hold a half-evaluated prompt
+            slot.reset()  # its cache may be out of step with its tokens
             with self.cv:
                 self.running.pop(slot.index, None)
-            self._send(req, e if isinstance(e, MtpllmError) else MtpllmError(f"{type(e).__name__}: {e}"))
+            self._send(req, e)
             return
-        t1 = time.perf_counter()
-        timings.prompt_ms = (t1 - t0) * 1e3
-        timings.cached_n = seq.cached_n
-        timings.prompt_n = len(req.prompt) - seq.cached_n
+        timings = Timings(load_ms=eng.load_ms, cached_n=seq.cached_n, prompt_n=len(req.prompt) - seq.cached_n)
         req.slot = slot.index
-        a = _Active(req, seq, OutputText(eng.tokenizer, req.params), timings, t1)
+        a = _Active(req, seq, OutputText(eng.tokenizer, req.params), timings, prefill=gen, next_rows=rows)
         with self.cv:
             self.running[slot.index] = a
-        if a.out.finish is not None:  # max_tokens == 0
-            self._finish(slot.index, Response(None, "", a.out.finish, timings, seq.stats))
-            return
-        self._emit(slot.index, a, block)
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens evaluated per step, all prefilling sequences together: one prefill forward
+        of the engine (`Engine.prefill_chunk`), so that the decoding sequences wait for at most
+        that between two of their tokens."""
+        return self.engine.prefill_chunk
+
+    def _prefill(self) -> None:
+        """Run prefill forwards, oldest request first, while they fit this step's budget (the
+        first always runs: every step makes progress). A sequence whose prefill ends emits its
+        first token and decodes from this step on."""
+        budget, spent = self.prefill_budget, 0
+        for idx, a in sorted(((i, a) for i, a in self.running.items() if a is not None and a.prefill is not None),
+                             key=lambda ia: ia[1].req.id):
+            while a.prefill is not None and (spent == 0 or spent + a.next_rows <= budget):
+                t0 = time.perf_counter()
+                block = None
+                try:
+                    rows = a.prefill.send(None)  # runs a.next_rows tokens; the size of the next forward
+                except StopIteration as stop:  # the prompt is in; its first token sampled
+                    block = stop.value
+                except Exception as e:  # noqa: BLE001 - fails this request only
+                    self._fail(idx, e)
+                    break
+                t1 = time.perf_counter()
+                spent += a.next_rows
+                self.prefill_rows += a.next_rows
+                a.timings.prompt_ms += (t1 - t0) * 1e3
+                if block is None:
+                    a.next_rows = rows
+                    continue
+                a.prefill, a.t_gen = None, t1
+                if a.out.finish is not None:  # max_tokens == 0
+                    self._finish(idx, Response(None, "", a.out.finish, a.timings, a.seq.stats))
+                else:
+                    self._emit(idx, a, block)
+            if spent >= budget:
+                return
 
     def _emit(self, idx: int, a: _Active, block: list[int]) -> None:
         tm = a.timings
@@ -288,8 +340,10 @@ class Scheduler:
             a = self.running.pop(idx, None)
         if a is None:
             return
+        if a.prefill is not None:
+            a.prefill.close()
         a.seq.slot.reset()  # its cache may be out of step with its tokens
-        self._send(a.req, err if isinstance(err, MtpllmError) else MtpllmError(f"{type(err).__name__}: {err}"))
+        self._send(a.req, err)  # as raised: an MtpllmError is the request's fault, anything else a bug
 
     @staticmethod
     def _send(req: Request, item) -> None:

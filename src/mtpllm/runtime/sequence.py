@@ -84,6 +84,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list:
     return out
 
 
+def run_steps(gen):
+    """Run a generator of steps (`Engine.prefill_steps`, a decoder's `start_steps`) to its end: its return value."""
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
+
+
 class Slot:
     """One lane's cache and draft states, kept between requests for prefix reuse."""
 
@@ -157,7 +166,12 @@ class PlainDecoder:
         return None
 
     def start(self, engine, seq: Sequence) -> Block:
-        hidden = engine.prefill(seq)
+        """Prefill and sample the first token: its Block."""
+        return run_steps(self.start_steps(engine, seq))
+
+    def start_steps(self, engine, seq: Sequence):
+        """`start` one prefill forward at a time (see `Engine.prefill_steps`); returns its Block."""
+        hidden = yield from engine.prefill_steps(seq)
         logits = engine.model.logits(hidden)
         seq.x0 = seq.sampler.sample(logits[0], seq.history)
         seq.history.append(seq.x0)

@@ -24,6 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ..errors import MtpllmError
 from . import protocol as P
 from .core import Server
+from .logprobs import Collector
 from .metrics import CONTENT_TYPE_LATEST
 from .spec_stream import SpecTrace, max_draft_length, request_spec
 from .security import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
@@ -125,8 +126,9 @@ class Generation:
             m.record_generation(t.prompt_n if t else 0, t.cached_n if t else 0, len(self.tokens), outcome,
                                 last.stats if last is not None else None, self.server.spec_label)
 
-    async def collect(self, request: Request) -> str:
-        """Run to the end for a non-streaming client; its disconnection cancels the generation."""
+    async def collect(self, request: Request, each=None) -> str:
+        """Run to the end for a non-streaming client; its disconnection cancels the generation.
+        `each`: called with every Response."""
         async def watch():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -137,6 +139,8 @@ class Generation:
             async with aclosing(self.items()) as rs:
                 async for r in rs:
                     parts.append(r.text)
+                    if each is not None:
+                        each(r)
                     if self.cancel.is_set():
                         break
         finally:
@@ -299,25 +303,28 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                 "model": server.model_id, "system_fingerprint": server.fingerprint}
+        lp = Collector(server.pieces, "chat" if chat else "completions") if job.params.logprobs is not None else None
         g = Generation(server, job, t_arrival)
 
         if not job.stream:
-            text = await g.collect(request)
+            text = await g.collect(request, lp.add if lp else None)
             note(request, job, g, rid)
             choice = {"index": 0, "finish_reason": finish(g)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = lp.everything() if lp else None
             else:
-                choice.update(text=text, logprobs=None)
+                choice.update(text=text, logprobs=lp.everything() if lp else None)
             return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                     "usage": usage(job, g), "timings": timings(g)}
 
         def chunk(text, fin, r):
+            lps = lp.take() if lp else None
             if chat:
                 c = {**head, "choices": [{"index": 0, "delta": {"content": text} if text else {},
-                                          "logprobs": None, "finish_reason": fin}]}
+                                          "logprobs": lps, "finish_reason": fin}]}
             else:
-                c = {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin}]}
+                c = {**head, "choices": [{"index": 0, "text": text, "logprobs": lps, "finish_reason": fin}]}
             if job.extra["timings_per_token"]:
                 c["timings"] = timings(g)
             c["mtpllm"] = trace.field(r)  # an extension OpenAI clients ignore
@@ -331,6 +338,8 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
                 async with aclosing(g.items()) as rs:
                     async for r in rs:
                         trace.add(r)
+                        if lp:
+                            lp.add(r)
                         if r.text:
                             yield _sse(chunk(r.text, None, r))
                         if r.finish_reason:
@@ -383,11 +392,14 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         t_arrival = time.perf_counter()
         body = await body_of(request)
         job = await run_in_threadpool(server.prepare, "completion", body)
+        lp = Collector(server.pieces, "completion") if job.params.logprobs is not None else None
         g = Generation(server, job, t_arrival)
         if not job.stream:
-            text = await g.collect(request)
+            text = await g.collect(request, lp.add if lp else None)
             note(request, job, g)
             out = final(job, g, text)
+            if lp and lp.items:  # llama.cpp: only when there are some
+                out["completion_probabilities"] = lp.everything()
             fields = job.extra["response_fields"]
             return P.pick_fields(out, fields) if fields else out
 
@@ -397,10 +409,15 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
                 async with aclosing(g.items()) as rs:
                     async for r in rs:
                         parts.append(r.text)
+                        if lp:
+                            lp.add(r)
                         if r.token is not None or r.text:
-                            yield _sse({"index": 0, "content": r.text, "tokens": [] if r.token is None else [r.token],
-                                        "stop": False, "id_slot": 0, "tokens_predicted": len(g.tokens),
-                                        "tokens_evaluated": len(job.ids)})
+                            c = {"index": 0, "content": r.text, "tokens": [] if r.token is None else [r.token],
+                                 "stop": False, "id_slot": 0, "tokens_predicted": len(g.tokens),
+                                 "tokens_evaluated": len(job.ids)}
+                            if lp and len(lp.items) > lp.sent:
+                                c["completion_probabilities"] = lp.take()
+                            yield _sse(c)
                 yield _sse({**final(job, g, ""), "has_new_line": "\n" in "".join(parts)})
             except Exception as exc:
                 yield _sse(_stream_error(exc))

@@ -1,8 +1,8 @@
 """The server object: the model, the request defaults and the one door to generation.
 
-`Server.generate` is the only code that runs the engine's generation or touches its cache; the
-HTTP layer (app.py) validates requests with `prepare` (in a worker thread) and consumes
-`generate`'s Responses, setting `cancel` when the client goes away.
+`Server.generate` is the only code that runs generation: through the scheduler, which owns the
+slots and their caches. The HTTP layer (app.py) validates requests with `prepare` (in a worker
+thread) and consumes `generate`'s Responses, setting `cancel` when the client goes away.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 from .. import __version__
 from ..runtime.sampling import SamplingParams
+from ..runtime.scheduler import Scheduler
+from . import logprobs
 from . import protocol as P
 from .metrics import Metrics
 
@@ -27,12 +29,9 @@ class Server:
         self.defaults = defaults or SamplingParams()
         self.parallel = parallel  # slots: sequences generated at once
         self.max_queue = max_queue  # requests that may wait for a slot; beyond: 429
-        self.lock = threading.Lock()
-        # several slots: the continuous-batching scheduler (one forward per step for all of them)
-        self.scheduler = None
-        if parallel > 1:
-            from ..runtime.scheduler import Scheduler
-            self.scheduler = Scheduler(engine, self.spec, n_slots=parallel, max_queue=max_queue + parallel)
+        # every generation runs through the continuous-batching scheduler (one forward per step for
+        # all running sequences; with one slot, one sequence at a time)
+        self.scheduler = Scheduler(engine, self.spec, n_slots=parallel, max_queue=max_queue + parallel)
         self.metrics = Metrics(parallel)
         self.cancelled = 0  # generations stopped early because their client went away
         self.busy = 0  # generations running
@@ -40,6 +39,7 @@ class Server:
         self._count = threading.Lock()
         tok = engine.tokenizer
         longest = max((len(t) for t in tok.tokens), default=1)
+        self.pieces = logprobs.Pieces(tok)  # token texts and bytes for log-probabilities
         self.limits = P.Limits(engine.n_ctx, engine.n_ctx * max(longest, 1))
         self.fingerprint = "fp_" + hashlib.sha256(
             f"mtpllm {__version__} {model_id} {engine.n_ctx} {self.spec_label}".encode()).hexdigest()[:12]
@@ -58,11 +58,13 @@ class Server:
             ids, text = P.completion_prompt(body.get("prompt"), tok, self.limits)
         self.check_context(ids)
         room = max(self.engine.n_ctx - len(ids) - 1, 0)
+        n_probs = logprobs.requested(body, kind)
         if kind == "completion":
-            params = P.sampling_params(body, self.defaults, ("n_predict", "max_tokens"), room, tok, self.engine.n_ctx)
+            params = P.sampling_params(body, self.defaults, ("n_predict", "max_tokens"), room, tok, self.engine.n_ctx,
+                                       n_probs)
         else:
             params = P.sampling_params(body, self.defaults, ("max_completion_tokens", "max_tokens", "n_predict"),
-                                       16 if kind == "completions" else room, tok, self.engine.n_ctx)
+                                       16 if kind == "completions" else room, tok, self.engine.n_ctx, n_probs)
         so = body.get("stream_options") or {}
         return P.Job(ids, params, stream=P.get_bool(body, "stream"),
                      include_usage=P.get_bool(so, "include_usage") if kind != "completion" else False,
@@ -114,44 +116,15 @@ class Server:
     # ------------------------------------------------------------------ generation
     def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event, spec=...) -> Iterator:
         """The Responses of one generation (the engine's, one per token, the last with a
-        finish_reason). Runs in a worker thread, one per request. Contract with the HTTP layer:
-        stop at the next token once `cancel` is set (waiting for a slot or generating); call
-        `_started()` when the sequence gets a slot and `_left(started)` when it ends (the caller has
+        finish_reason), through the scheduler: the request joins the running batch when a slot is
+        free. Runs in a worker thread, one per request. Contract with the HTTP layer: setting
+        `cancel` (or closing this generator) stops it within one step, waiting for a slot or
+        generating; `_started()` is called when the sequence has a slot (its prompt being
+        evaluated or its first token out) and `_left(started)` when it ends (the caller has
         `admit`ted it); an exception fails this request only.
 
-        `spec`: this request's speculative decoder (... = the server's, None = plain decoding).
-        Today: one sequence at a time on a lock, the engine's prefix cache reused between requests."""
-        spec = self.spec if spec is ... else spec
-        if self.scheduler is not None:
-            yield from self._generate_batched(ids, params, cancel, spec)
-            return
-        started = False
-        try:
-            while not self.lock.acquire(timeout=0.05):
-                if cancel.is_set():
-                    return
-            try:
-                self._started()
-                started = True
-                if cancel.is_set():
-                    return
-                gen = self.engine.stream(ids, params, spec)
-                try:
-                    for r in gen:
-                        yield r
-                        if cancel.is_set():
-                            return
-                finally:
-                    gen.close()
-            finally:
-                self.lock.release()
-        finally:
-            self._left(started)
-
-    def _generate_batched(self, ids, params, cancel: threading.Event, spec) -> Iterator:
-        """`generate` through the scheduler: the request joins the running batch when a slot is
-        free; setting `cancel` (or closing this generator) cancels it within one step."""
-        req = self.scheduler.submit(ids, params, spec)
+        `spec`: this request's speculative decoder (... = the server's, None = plain decoding)."""
+        req = self.scheduler.submit(ids, params, self.spec if spec is ... else spec)
         started = False
         try:
             while True:
@@ -160,6 +133,9 @@ class Server:
                 except queue.Empty:
                     if cancel.is_set():
                         req.cancel()
+                    if not started and req.slot is not None:  # admitted: its prompt is being evaluated
+                        self._started()
+                        started = True
                     continue
                 if isinstance(item, BaseException):
                     raise item
@@ -177,8 +153,4 @@ class Server:
 
     def slots(self) -> list[dict]:
         """llama.cpp's `/slots`: one entry per slot."""
-        if self.scheduler is not None:
-            return [{**d, "speculative": self.spec_label} for d in self.scheduler.slots_info()]
-        n_ctx = self.engine.n_ctx
-        return [{"id": i, "n_ctx": n_ctx, "is_processing": i < self.busy, "speculative": self.spec_label}
-                for i in range(self.parallel)]
+        return [{**d, "speculative": self.spec_label} for d in self.scheduler.slots_info()]

@@ -2,7 +2,7 @@
 
 Requests by endpoint and status, prompt and generated tokens, time to first token and the latency
 of each further token, the queue and the slots, and speculative decoding's counters per method
-(fed from the statistics each finished generation carries).
+(fed from the statistics each finished generation carries; per member too for a chain of methods).
 """
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ class Metrics:
                                             ["method"], registry=r)
         self.spec_drafted_per_pos = Counter("mtpllm_spec_drafted_tokens_per_position", "drafted tokens by their "
                                             "position in the draft (0 = first)", ["method", "position"], registry=r)
+        self.spec_member_drafts = Counter("mtpllm_spec_member_drafts", "verification steps per member of a chain "
+                                          "of methods (the one that drafted)", ["method", "member"], registry=r)
+        self.spec_member_draft_tokens = Counter("mtpllm_spec_member_draft_tokens", "drafted tokens per member of "
+                                                "a chain of methods", ["method", "member"], registry=r)
+        self.spec_member_accepted_tokens = Counter("mtpllm_spec_member_accepted_tokens", "accepted tokens per "
+                                                   "member of a chain of methods", ["method", "member"], registry=r)
         self.spec_accepted_per_pos = Counter("mtpllm_spec_accepted_tokens_per_position", "accepted tokens by "
                                              "their position in the draft", ["method", "position"], registry=r)
 
@@ -63,6 +69,10 @@ class Metrics:
             self.spec_drafted_per_pos.labels(method, str(i)).inc(n)
         for i, n in enumerate(stats.accepted_per_pos):
             self.spec_accepted_per_pos.labels(method, str(i)).inc(n)
+        for member, (drafts, drafted, accepted) in stats.members.items():
+            self.spec_member_drafts.labels(method, member).inc(drafts)
+            self.spec_member_draft_tokens.labels(method, member).inc(drafted)
+            self.spec_member_accepted_tokens.labels(method, member).inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ MAX_DEPTH = 64  # JSON nesting: OpenAI and llama.cpp bodies need 5 or 6 levels
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1000  # characters of one stop string (held-back text grows with it)
 MAX_SEED = 2 ** 64  # torch generators take 64-bit seeds
+MAX_SCALE = 1000.0  # temperature, penalties: at most this (and repeat_penalty at least its inverse)
 
 
 class ApiError(Exception):
@@ -172,7 +173,6 @@ def get_stop(body: dict) -> list[str]:
 # unless the value is one that asks for nothing (the OpenAI / llama.cpp default).
 REFUSED = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "n_probs": (None, 0),
     "post_sampling_probs": (None, False),
     "grammar": (None, ""), "json_schema": (None,), "tools": (None, []), "functions": (None, []),
     "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
@@ -183,9 +183,7 @@ REFUSED = {
 }
 WHY = {
     "n": "one completion per request ('n' must be 1)",
-    "logprobs": "log-probabilities are not available yet",
-    "top_logprobs": "log-probabilities are not available yet",
-    "n_probs": "token probabilities are not available yet",
+    "post_sampling_probs": "probabilities come from the model's own distribution (n_probs without it)",
     "grammar": "grammars are not supported", "json_schema": "JSON schemas are not supported",
     "tools": "tool calling is not supported", "functions": "function calling is not supported",
 }
@@ -215,27 +213,34 @@ def check_refused(body: dict) -> None:
 
 # ---------------------------------------------------------------------------- sampling
 def sampling_params(body: dict, defaults: SamplingParams, max_keys: tuple[str, ...], default_max: int | None,
-                    tokenizer, n_ctx: int) -> SamplingParams:
+                    tokenizer, n_ctx: int, logprobs: int | None = None) -> SamplingParams:
     d = defaults
     check_refused(body)
     n = get_max_tokens(body, max_keys, default_max)
     last_n = get_num(body, "repeat_last_n", None, int, lo=-1)
+    # the bounds keep the logits finite in float32 (a temperature of 1e308 is infinity there, and
+    # -inf / inf is NaN); far beyond any useful value
     penalties = dict(
-        repetition_penalty=get_num(body, "repeat_penalty", get_num(body, "repetition_penalty", d.repetition_penalty)),
-        presence_penalty=get_num(body, "presence_penalty", d.presence_penalty),
-        frequency_penalty=get_num(body, "frequency_penalty", d.frequency_penalty))
+        repetition_penalty=get_num(body, "repeat_penalty", get_num(body, "repetition_penalty", d.repetition_penalty,
+                                                                   hi=MAX_SCALE), hi=MAX_SCALE),
+        presence_penalty=get_num(body, "presence_penalty", d.presence_penalty, lo=-MAX_SCALE, hi=MAX_SCALE),
+        frequency_penalty=get_num(body, "frequency_penalty", d.frequency_penalty, lo=-MAX_SCALE, hi=MAX_SCALE))
+    if penalties["repetition_penalty"] < 1 / MAX_SCALE:
+        key = "repeat_penalty" if "repeat_penalty" in body else "repetition_penalty"
+        raise BadRequest(f"'{key}' must be in [{1 / MAX_SCALE}, {MAX_SCALE}], got {penalties['repetition_penalty']}",
+                         key)
     if last_n == 0:  # llama.cpp: 0 = penalties off
         penalties = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
     top_k = get_num(body, "top_k", d.top_k, int)
     try:
         return SamplingParams(
-            temperature=get_num(body, "temperature", d.temperature, lo=0.0),
+            temperature=get_num(body, "temperature", d.temperature, lo=0.0, hi=MAX_SCALE),
             top_k=max(top_k, 0),  # llama.cpp: <= 0 = off
             top_p=get_num(body, "top_p", d.top_p), min_p=get_num(body, "min_p", d.min_p), **penalties,
             penalty_last_n=d.penalty_last_n if last_n in (None, 0) else (n_ctx if last_n == -1 else last_n),
             seed=get_seed(body, d.seed), max_tokens=n if n is not None else d.max_tokens,
             stop=get_stop(body) or list(d.stop), ignore_eos=get_bool(body, "ignore_eos"),
-            logit_bias=logit_bias(body.get("logit_bias"), tokenizer))
+            logit_bias=logit_bias(body.get("logit_bias"), tokenizer), logprobs=logprobs)
     except MtpllmError as exc:  # out of range: name the field the message names
         msg = str(exc).removeprefix("invalid sampling parameter: ")
         key = msg.split(" ", 1)[0]

@@ -17,7 +17,8 @@ that finally carries its text.
 
 A request may ask for a shorter draft length than the server's with
 `"speculative": {"num_speculative_tokens": k}`, 0 <= k <= the server's k (0: no speculation for
-this request). The same proposer is used (one generation runs at a time), only its k changes.
+this request). The same proposer (its weights) is used, only its k changes; its draft state is the
+request's own, on its slot.
 """
 from __future__ import annotations
 

@@ -40,6 +40,14 @@ class ChainProposer:
         for p, s in zip(self.proposers, st.states):
             p.begin(s, prompt, prompt_hidden, start)
 
+    def begin_steps(self, st: ChainState, prompt, prompt_hidden, start, chunk: int):
+        """`begin` as steps, for the members whose prompt processing runs in steps (a draft model)."""
+        for p, s in zip(self.proposers, st.states):
+            if hasattr(p, "begin_steps"):
+                yield from p.begin_steps(s, prompt, prompt_hidden, start, chunk)
+            else:
+                p.begin(s, prompt, prompt_hidden, start)
+
     def propose(self, st: ChainState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         for i, (p, s, kp) in enumerate(zip(self.proposers, st.states, self.ks)):
             drafts, qs = p.propose(s, history, min(k, kp), sampler, p_min, p_cum)

@@ -9,6 +9,7 @@ from ..models.base import load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
 from ..runtime.engine import PREFILL_CHUNK
+from ..runtime.sequence import run_steps
 from .verifier import common_prefix, draft_token, stop_drafting
 
 
@@ -60,6 +61,11 @@ class DraftModelProposer:
 
     def _sync(self, st: DraftState, tokens: list[int]) -> torch.Tensor | None:
         """Make the draft cache hold exactly `tokens`; return the hidden state of the last one."""
+        return run_steps(self._sync_steps(st, tokens, PREFILL_CHUNK))
+
+    def _sync_steps(self, st: DraftState, tokens: list[int], chunk: int):
+        """`_sync` one forward of at most `chunk` tokens at a time: yields each forward's size
+        before running it (see `Engine.prefill_steps`)."""
         cache = st.cache
         common = min(common_prefix(st.committed, tokens), len(tokens) - 1)
         if cache.length - common > cache.max_trim():
@@ -68,13 +74,21 @@ class DraftModelProposer:
         st.committed = list(tokens[:common])
         todo = torch.tensor(tokens[common:], dtype=torch.long, device=self.device)
         h = None
-        for s in range(0, todo.shape[0], PREFILL_CHUNK):
-            h = self.model(todo[s:s + PREFILL_CHUNK], cache)
+        for s in range(0, todo.shape[0], chunk):
+            yield min(chunk, todo.shape[0] - s)
+            h = self.model(todo[s:s + chunk], cache)
+            st.committed = list(tokens[:common + s + chunk])  # what the cache holds, if stopped here
         st.committed = list(tokens)
         return h[-1:]
 
     def begin(self, st: DraftState, prompt, prompt_hidden, start) -> None:
-        self._sync(st, list(prompt))  # draft prefill counts as prompt time
+        run_steps(self.begin_steps(st, prompt, prompt_hidden, start))
+
+    def begin_steps(self, st: DraftState, prompt, prompt_hidden, start, chunk: int = PREFILL_CHUNK):
+        """The draft model's prefill of the prompt (it counts as prompt time), `chunk` tokens per
+        forward, as a generator of steps: the scheduler interleaves them with other sequences'
+        decoding."""
+        yield from self._sync_steps(st, list(prompt), chunk)
 
     def propose(self, st: DraftState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
         k = min(k, st.cache.max_len - len(history))

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.sampling import Sampler
-from ..runtime.sequence import Block, common_prefix  # noqa: F401  (proposers import common_prefix from here)
+# proposers import common_prefix from here
+from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
 
 @dataclass
@@ -104,6 +105,7 @@ class SpecStats:
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "num_steps": self.num_steps, "tokens_per_step": self.tokens_per_step,
                 "per_position_acceptance": self.per_position_acceptance,
+                "drafted_per_pos": list(self.drafted_per_pos), "accepted_per_pos": list(self.accepted_per_pos),
                 "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
                 **({"members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v))
                                 for k, v in self.members.items()}} if self.members else {})}
@@ -204,11 +206,20 @@ class SpeculativeDecoder:
         return SpecStats()
 
     def start(self, engine, seq) -> list[int]:
+        """Prefill (the target's, then the proposer's) and sample the first token: its Block."""
+        return run_steps(self.start_steps(engine, seq))
+
+    def start_steps(self, engine, seq):
+        """`start` one prefill forward at a time (see `Engine.prefill_steps`): the target's, then a
+        draft model's (a proposer with `begin_steps`; the others' prompt work is one step)."""
         prop, st = self.proposer, seq.draft
-        hidden_last = engine.prefill(seq, max_reuse=prop.reusable_prefix(st, seq.prompt))
+        hidden_last = yield from engine.prefill_steps(seq, max_reuse=prop.reusable_prefix(st, seq.prompt))
         logits = engine.model.logits(hidden_last)
         x0 = seq.sampler.sample(logits[0], seq.history)
-        prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
+        if hasattr(prop, "begin_steps"):
+            yield from prop.begin_steps(st, seq.prompt, seq.prompt_hidden, seq.cached_n, engine.prefill_chunk)
+        else:
+            prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
         seq.history.append(x0)
         seq.x0 = x0
         return seq.block([x0], 0, logits)
