@@ -149,3 +149,48 @@ def test_mtp_block_runs_on_the_stack_and_speculation_stays_greedy_identical(file
         assert isinstance(spec.proposer.head.block._native, torch.ScriptObject)
         st = out.stats
         assert st.num_accepted_tokens > 0 and st.accepted_per_pos[0] < st.drafted_per_pos[0]
+
+
+def test_scheduler_serves_hybrid_sequences_as_alone(files):
+    """Continuous batching on a hybrid with its MTP layer: several requests share forwards (the C++
+    stack over all their rows) and each gets the tokens it gets alone."""
+    import threading
+
+    from mtpllm.runtime.scheduler import Scheduler
+    from mtpllm.speculative import SpecConfig
+    path = files["qwen35"]["q8"]
+    eng = Engine(_native_only(load_model(path, "fast")), GGUFTokenizer(GGUFFile(path).metadata, "qwen35"), 128)
+    spec = SpecConfig("mtp", 3).build(eng)
+    prompts = [eng.encode_prompt(t, chat=False) for t in ("the fox = the fox", "a b c a b", "the the the", "fox")]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = []
+    for ids, p in zip(prompts, params):
+        eng.reset()
+        want.append(eng.generate(prompt_ids=ids, params=p, speculative=spec).tokens)
+    eng.reset()
+    m, batched = eng.model, []
+    real = m.forward_batch
+
+    def forward_batch(tokens, caches):  # record the batched forwards that completed
+        out = real(tokens, caches)
+        batched.append(len(caches))
+        return out
+
+    m.forward_batch = forward_batch
+    sched = Scheduler(eng, spec, n_slots=3)
+    got = {}
+
+    def client(i, r):
+        got[i] = [x.token for x in r if x.token is not None]
+
+    try:
+        reqs = [sched.submit(ids, p) for ids, p in zip(prompts, params)]
+        ts = [threading.Thread(target=client, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+    finally:
+        sched.shutdown(1)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert sched.steps < sum(len(w) for w in want) and max(batched) == 3  # steps were shared
