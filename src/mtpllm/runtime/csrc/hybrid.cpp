@@ -37,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+#include <chrono>
 #include <cmath>
 #include <vector>
 #include "common.h"
@@ -132,12 +133,76 @@ struct HLayer {
   bool norm_topk = true;
 };
 
+// One row of the delta rule for one head: state src [dk, dv] -> the new state, written to loc (the
+// working copy, may be src) and to dst (its ring slot); o = S^T q. Two sweeps: the first only reads
+// (mem = (S exp(g))^T k), the second computes S exp(g) + k delta^T with delta = beta (v - mem) and
+// o. The arithmetic per element is fixed (the same for every row count and thread).
+inline void delta_rule_row(const float* src, float* loc, float* dst, const float* q, const float* k, const float* v,
+                           float dec, float bt, int64_t dk, int64_t dv, float* mem, float* delta, float* o) {
+  const bool vec = dv % 8 == 0;
+  const bool stream = vec && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  std::fill(mem, mem + dv, 0.0f);
+  std::fill(o, o + dv, 0.0f);
+  if (vec) {
+    const __m256 vd = _mm256_set1_ps(dec);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* sr = src + i * dv;
+      const __m256 ki = _mm256_set1_ps(k[i]);
+      for (int64_t j = 0; j < dv; j += 8)
+        _mm256_storeu_ps(mem + j, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + j), vd), ki,
+                                                  _mm256_loadu_ps(mem + j)));
+    }
+    const __m256 vb = _mm256_set1_ps(bt);
+    for (int64_t j = 0; j < dv; j += 8)
+      _mm256_storeu_ps(delta + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j), _mm256_loadu_ps(mem + j)), vb));
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* sr = src + i * dv;
+      float* lr = loc + i * dv;
+      float* dr = dst + i * dv;
+      const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+      for (int64_t j = 0; j < dv; j += 8) {
+        const __m256 sv = _mm256_fmadd_ps(ki, _mm256_loadu_ps(delta + j), _mm256_mul_ps(_mm256_loadu_ps(sr + j), vd));
+        _mm256_storeu_ps(lr + j, sv);
+        if (stream)
+          _mm256_stream_ps(dr + j, sv);
+        else
+          _mm256_storeu_ps(dr + j, sv);
+        _mm256_storeu_ps(o + j, _mm256_fmadd_ps(sv, qi, _mm256_loadu_ps(o + j)));
+      }
+    }
+    return;
+  }
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < dv; ++j) mem[j] = std::fma(src[i * dv + j] * dec, k[i], mem[j]);
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - mem[j]) * bt;
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < dv; ++j) {
+      const float sv = std::fma(k[i], delta[j], src[i * dv + j] * dec);
+      loc[i * dv + j] = sv;
+      dst[i * dv + j] = sv;
+      o[j] = std::fma(sv, q[i], o[j]);
+    }
+}
+
 struct HybridStack : torch::CustomClassHolder {
   int64_t n_heads, n_kv, head_dim, rot_dim;
   bool neox;
   double scale, eps, qk_eps;
   std::vector<Lin> lins;
   std::vector<HLayer> layers;
+  // Per-stage wall time of forward_batch, summed over layers and calls while timing is on (off by
+  // default). Stages: DeltaNet norm + projections, DeltaNet convolution + delta rule + gated norm,
+  // DeltaNet output projection, attention norm + projections, attention, attention output
+  // projection, FFN (norm, products, routing).
+  static constexpr int kStages = 7;
+  bool timing = false;
+  std::vector<double> stage_ms = std::vector<double>(kStages, 0.0);
+
+  void set_timing(bool on) {
+    timing = on;
+    std::fill(stage_ms.begin(), stage_ms.end(), 0.0);
+  }
+  std::vector<double> stage_times() const { return stage_ms; }
 
   HybridStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -359,7 +424,10 @@ struct HybridStack : torch::CustomClassHolder {
     const int64_t HS = dk * dv;
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, HS * T));
     at::parallel_for(0, nv, grain, [&](int64_t h0, int64_t h1) {
-      std::vector<float> mem(dv), delta(dv), o(dv);
+      // the head's state is worked on in `loc` (64 KB for 128 x 128: it stays in L2 from row to
+      // row) and each row's result is streamed to its slot, written but never read here: one write
+      // of the state per row and no read of the slot's old contents
+      std::vector<float> mem(dv), delta(dv), o(dv), loc(HS);
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t kh = L.tiled ? h % nk : h / r;
         const float* src = sp + (cur * nv + h) * HS;
@@ -371,28 +439,8 @@ struct HybridStack : torch::CustomClassHolder {
           const float* k = ct + nk * dk + kh * dk;
           const float* v = ct + 2 * nk * dk + h * dv;
           const float dec = decay[t * nv + h], bt = beta[t * nv + h];
-          std::fill(mem.begin(), mem.end(), 0.0f);
-          for (int64_t i = 0; i < dk; ++i) {  // S *= exp(g); mem = S^T k
-            const float* sr = src + i * dv;
-            float* dr = dst + i * dv;
-            const float ki = k[i];
-            for (int64_t j = 0; j < dv; ++j) {
-              const float s = sr[j] * dec;
-              dr[j] = s;
-              mem[j] += s * ki;
-            }
-          }
-          for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - mem[j]) * bt;
-          std::fill(o.begin(), o.end(), 0.0f);
-          for (int64_t i = 0; i < dk; ++i) {  // S += k delta^T; o = S^T q
-            float* dr = dst + i * dv;
-            const float ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < dv; ++j) {
-              const float s = dr[j] + ki * delta[j];
-              dr[j] = s;
-              o[j] += s * qi;
-            }
-          }
+          delta_rule_row(src, loc.data(), dst, q, k, v, dec, bt, dk, dv, mem.data(), delta.data(), o.data());
+          src = loc.data();
           // per-head RMSNorm (plain weight) times silu(z)
           const float* z = p + t * N + C + h * dv;
           float* yo = y + t * nv * dv + h * dv;
@@ -400,9 +448,9 @@ struct HybridStack : torch::CustomClassHolder {
           for (int64_t j = 0; j < dv; ++j) yo[j] = z[j];
           silu_inplace(yo, dv);
           for (int64_t j = 0; j < dv; ++j) yo[j] = o[j] * inv * nw[j] * yo[j];
-          src = dst;
         }
       }
+      _mm_sfence();  // the streamed stores are visible before the states are read again
     });
   }
 
@@ -502,12 +550,22 @@ struct HybridStack : torch::CustomClassHolder {
     TORCH_CHECK(total == x.size(0), "HybridStack: row counts do not add up to x's rows");
     x = x.contiguous();
     const int64_t H = n_heads, KV = n_kv, hd = head_dim;
+    using clock = std::chrono::steady_clock;
+    clock::time_point t0;
+    auto lap = [&](int stage) {
+      if (!timing) return;
+      const clock::time_point t1 = clock::now();
+      if (stage >= 0) stage_ms[stage] += std::chrono::duration<double, std::milli>(t1 - t0).count();
+      t0 = t1;
+    };
+    lap(-1);
     std::vector<at::Tensor> parts(S);
     for (const HLayer& L : layers) {
       TORCH_CHECK(L.gu >= 0 || L.router >= 0, "HybridStack: a block without its feed-forward");
       at::Tensor h = mtpllm::rms_norm_rows(x, L.attn_norm, eps);
       if (L.recurrent) {
         at::Tensor p = run(L.proj, h).contiguous();
+        lap(0);
         const int64_t N = p.size(1);
         at::Tensor y = at::empty({x.size(0), L.nv * L.dv}, x.options());
         int64_t off = 0;
@@ -519,9 +577,12 @@ struct HybridStack : torch::CustomClassHolder {
                         y.data_ptr<float>() + off * L.nv * L.dv);
           off += rows[s];
         }
+        lap(1);
         x = x + run(L.out, y);
+        lap(2);
       } else {
         at::Tensor p = run(L.qkv, h).contiguous();
+        lap(3);
         const int64_t R = p.size(0), W = p.size(1);
         TORCH_CHECK(W == 2 * H * hd + 2 * KV * hd, "HybridStack: attention projections have ", W, " outputs");
         // query heads come with their gates: [H x (q | gate)], then keys, values
@@ -549,7 +610,9 @@ struct HybridStack : torch::CustomClassHolder {
         at::Tensor o = (S == 1 ? parts[0] : at::cat(parts, 0)).contiguous();
         float* op = o.data_ptr<float>();
         for (int64_t t = 0; t < R; ++t) mul_sigmoid(op + t * H * hd, gp + t * H * hd, H * hd);
+        lap(4);
         x = x + run(L.o, o);
+        lap(5);
       }
       at::Tensor h2 = mtpllm::rms_norm_rows(x, L.ffn_norm, eps);
       if (L.router >= 0) {
@@ -557,6 +620,7 @@ struct HybridStack : torch::CustomClassHolder {
       } else {
         x.add_(mlp(L.gu, L.down, h2));
       }
+      lap(6);
     }
     return x;
   }
@@ -573,5 +637,7 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
       .def("set_mlp", &HybridStack::set_mlp)
       .def("set_moe", &HybridStack::set_moe)
       .def("size", &HybridStack::size)
-      .def("forward_batch", &HybridStack::forward_batch);
+      .def("forward_batch", &HybridStack::forward_batch)
+      .def("set_timing", &HybridStack::set_timing)
+      .def("stage_times", &HybridStack::stage_times);
 }
