@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MtpllmError
 from ..runtime.cache import CacheGroup, RecurrentCache
+from ..runtime.kv_cache import KVCache
 from ..runtime.linear import GEMM_MIN_ROWS
 from .layers import Attention, MLP, RMSNorm
 
@@ -235,12 +237,22 @@ class HybridBlock(nn.Module):
         super().__init__()
         self.attn_norm, self.mixer, self.ffn_norm, self.ffn = attn_norm, mixer, ffn_norm, ffn
         self.recurrent = isinstance(mixer, GatedDeltaNet)
+        self._native = None  # this block alone as a C++ HybridStack (the MTP block); False where not covered
 
     @property
     def attn(self):  # the attention module of a full-attention block (MTP code reads its rotary)
         return self.mixer
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, layer: int) -> torch.Tensor:
+        if type(cache) is KVCache and not self.recurrent:  # a block with a KV cache of its own (MTP)
+            from . import hybrid_native
+            if hybrid_native.native_rows(x, [cache], [x.shape[0]]):
+                stack = hybrid_native.cached(self, "_native", [self], [layer])
+                if stack is not None:
+                    start = int(positions[0])
+                    if start != cache.length:
+                        raise MtpllmError(f"hybrid block: rows at position {start}, cache at {cache.length}")
+                    return hybrid_native.run(stack, self.mixer.rotary, x, [cache], [x.shape[0]])
         h = self.attn_norm(x)
         h = self.mixer(h, cache, layer) if self.recurrent else self.mixer(h, positions, cache, layer)
         x = x + h

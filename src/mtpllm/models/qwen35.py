@@ -26,6 +26,7 @@ from ..runtime.cache import CacheGroup, RecurrentCache
 from ..runtime.kv_cache import KVCache, kv_cache_bytes
 from ..runtime.linear import make_linear
 from .config import ModelConfig
+from . import hybrid_native
 from .deltanet import MLP, Concat, GatedAttention, GatedDeltaNet, HybridBlock, MoE, RMSNorm
 from .layers import Rotary, rope_inv_freq
 
@@ -314,6 +315,11 @@ class HybridModel(nn.Module):
             n_rec, n_att = n_rec + b.recurrent, n_att + (not b.recurrent)
         self.source: Path | None = None
         self.gguf = None
+        self._stack = None  # all blocks as one C++ HybridStack (built on first use); False: not covered
+
+    def _rotary(self) -> Rotary | None:
+        """The rotary shared by the attention blocks (None without any)."""
+        return next((b.mixer.rotary for b in self.blocks if not b.recurrent), None)
 
     def make_cache(self, max_len: int, device="cpu") -> CacheGroup:
         c = self.cfg
@@ -331,17 +337,47 @@ class HybridModel(nn.Module):
             raise MtpllmError(f"context overflow: {start} + {T} tokens exceed the context size {cache.max_len}")
         positions = cache.kv.positions[start:start + T]
         x = self.embed(tokens)
+        if hybrid_native.native_rows(x, [cache], [T]):  # decoding / verification: every block in one C++ call
+            stack = hybrid_native.cached(self, "_stack", list(self.blocks), self.slots)
+            if stack is not None:
+                x = hybrid_native.run(stack, self._rotary(), x, [cache], [T])
+                cache.advance(T)
+                return self.norm(x)
         for blk, slot in zip(self.blocks, self.slots):
             x = blk(x, positions, cache, slot)
         cache.advance(T)
         return self.norm(x)
 
     @torch.inference_mode()
+    def forward_batch(self, tokens: list[torch.Tensor], caches: list[CacheGroup]) -> list[torch.Tensor]:
+        """Several sequences' rows in one forward (continuous batching): tokens[s] [T_s] at positions
+        [caches[s].length, +T_s) of caches[s] -> their final-normed hidden states [T_s, D]; commits T_s
+        positions in each cache. On the C++ path the matrix products run once over all rows, the
+        delta rule and attention per sequence in its own cache (each row's result is bit for bit
+        what it gets alone); otherwise the sequences run one after another."""
+        if len(tokens) != len(caches) or not caches:
+            raise MtpllmError(f"forward_batch: {len(tokens)} token lists for {len(caches)} caches")
+        rows = [int(t.shape[0]) for t in tokens]
+        for c, T in zip(caches, rows):
+            if T <= 0 or c.length + T > c.max_len:
+                raise MtpllmError(f"context overflow: {c.length} + {T} tokens exceed the context size {c.max_len}")
+        if len(caches) > 1:
+            x = self.embed(torch.cat(tokens))
+            if hybrid_native.native_rows(x, caches, rows):
+                stack = hybrid_native.cached(self, "_stack", list(self.blocks), self.slots)
+                if stack is not None:
+                    x = hybrid_native.run(stack, self._rotary(), x, caches, rows)
+                    for c, T in zip(caches, rows):
+                        c.advance(T)
+                    return list(self.norm(x).split(rows))
+        return [self(t, c) for t, c in zip(tokens, caches)]
+
+    @torch.inference_mode()
     def decode_batch(self, tokens: torch.Tensor, caches: list[CacheGroup]) -> torch.Tensor:
         """One token for each of B sequences (each in its own cache) -> hidden states [B, D]."""
         if tokens.shape[0] != len(caches) or not caches:
             raise MtpllmError(f"decode_batch: {tokens.shape[0]} tokens for {len(caches)} caches")
-        return torch.cat([self(tokens[b:b + 1], c) for b, c in enumerate(caches)])
+        return torch.cat(self.forward_batch(list(tokens.split(1)), caches))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@
 - `rms_norm`, `attend_cached`: the small per-layer operators of decoding fused (csrc/attention.cpp).
 - `silu_mul`, `DecodeStack`: whole decoder blocks in one call for decoding and verification
   (csrc/decode.cpp), the same arithmetic as the per-operator path.
+- `HybridStack`: the same for the hybrid models' blocks (Gated DeltaNet with its recurrent state,
+  gated attention, dense or mixture-of-experts feed-forward; csrc/hybrid.cpp).
 
 The extension is built with the system C++ compiler through torch.utils.cpp_extension (ninja) into
 the torch extensions cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) the first time a
@@ -41,7 +43,8 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp"]
+_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp",
+            _CSRC / "hybrid.cpp"]
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
 # the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
@@ -289,3 +292,12 @@ def decode_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: boo
     T < 32 rows with `forward(x, k, v, cos, sin, start, first, count)`."""
     _op("silu_mul")  # builds the extension (and fails with its reason) first
     return torch.classes.mtpllm.DecodeStack(n_heads, n_kv, head_dim, rot_dim, neox, scale, eps, qk_eps)
+
+
+def hybrid_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float, eps: float,
+                 qk_eps: float):
+    """An empty `HybridStack` (csrc/hybrid.cpp): linear maps added with `add_part`, blocks with
+    `add_deltanet` / `add_attention` and their feed-forward with `set_mlp` / `set_moe`, run for
+    decoding and verification rows with `forward_batch(...)` (`models/hybrid_native.py` builds and runs it)."""
+    _op("silu_mul")  # builds the extension (and fails with its reason) first
+    return torch.classes.mtpllm.HybridStack(n_heads, n_kv, head_dim, rot_dim, neox, scale, eps, qk_eps)

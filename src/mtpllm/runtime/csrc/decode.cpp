@@ -189,6 +189,10 @@ struct DecodeStack : torch::CustomClassHolder {
 
 }  // namespace
 
+namespace mtpllm {
+at::Tensor silu_mul_rows(const at::Tensor& gu) { return silu_mul(gu); }
+}  // namespace mtpllm
+
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.class_<DecodeStack>("DecodeStack")

@@ -1,0 +1,196 @@
+"""The hybrid models' decoding step in C++ (`HybridStack`, models/hybrid_native.py) on tiny random
+Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints: it is the path taken for decoding and verification
+rows, it agrees with the per-module PyTorch path, its rows do not depend on the rows beside them
+(verification == decoding, rollback == feeding the kept rows), batches of sequences give each
+sequence its own result, and the MTP block runs on it too.
+
+Tolerances, C++ path against the PyTorch path (logits of spread ~0.6):
+- float32 weights: 2e-5. The matrix products are the same operators on both paths; the elementwise
+  steps (convolution, SiLU/sigmoid from a polynomial exp, L2 norms, the delta rule's sums) round
+  differently, ~1e-7 relative per step, grown through 4 layers and the recurrence to a few 1e-6.
+  A wrong gate, head order, decay or norm changes logits by 1e-2 and more (tests/test_qwen35.py).
+- Q8_0 weights: 1e-2 of the logits' spread. Activations are quantized to int8 per block of 32 before
+  each product; an input that differs in the 7th digit can round one of them to the neighbouring
+  step (1/127 of the block's largest value), so the paths may differ by such steps, not by bits.
+"""
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from mtpllm.gguf.reader import GGUFFile
+from mtpllm.models import load_model
+from mtpllm.runtime import kernels
+from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.sampling import SamplingParams
+from mtpllm.tokenizer import GGUFTokenizer
+
+tiny_hybrid = pytest.importorskip("tiny_hybrid")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not kernels.expected(), reason="the CPU kernels are not used on this machine")
+
+KINDS = ["qwen35", "qwen35moe", "qwen3next"]
+TOKENS = [5, 17, 200, 33, 9, 101, 44, 3, 250, 7, 66, 12] * 4
+CHUNKS = [20, 1, 5, 1, 1, 7, 1, 3, 1, 8]  # all below 32 rows: decoding and verification blocks
+TOL_F32 = 2e-5
+TOL_Q8 = 1e-2
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """kind -> {"f32": GGUF with float32 weights, "q8": GGUF with Q8_0 matrices}."""
+    root = tmp_path_factory.mktemp("hybrid_native")
+    out = {}
+    for kind in KINDS:
+        d, _ = tiny_hybrid.make_tiny_hf(root / kind, kind, echo=0.1)
+        out[kind] = {"f32": tiny_hybrid.hf_to_gguf(d, root / f"{kind}-f32.gguf"),
+                     "q8": tiny_hybrid.hf_to_gguf(d, root / f"{kind}-q8.gguf", QT.Q8_0)}
+    return out
+
+
+def _boom(*a, **k):
+    raise AssertionError("the per-module path ran where the C++ stack should have")
+
+
+def _native_only(m):
+    """Make the model's modules fail if called: only the C++ stack may run its blocks."""
+    for blk in m.blocks:
+        blk.mixer.forward = _boom
+        blk.ffn.forward = _boom
+    return m
+
+
+def _steps(m, toks, chunks):
+    cache = m.make_cache(128)
+    out, s = [], 0
+    t = torch.tensor(toks)
+    for n in chunks:
+        out.append(m.logits(m(t[s:s + n], cache)))
+        s += n
+    return torch.cat(out), cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weights", ["f32", "q8"])
+def test_cpp_path_is_taken_and_agrees_with_pytorch(files, kind, weights):
+    path = files[kind][weights]
+    cpp = _native_only(load_model(path, "fast"))
+    ref = load_model(path, "fast")
+    ref._stack = False  # the per-module PyTorch path
+    n = sum(CHUNKS)
+    a, _ = _steps(cpp, TOKENS[:n], CHUNKS)
+    assert isinstance(cpp._stack, torch.ScriptObject)
+    b, _ = _steps(ref, TOKENS[:n], CHUNKS)
+    if weights == "q8":
+        lin = cpp.blocks[0].mixer.proj
+        assert all(p.kind == "gguf" for p in getattr(lin, "parts", [lin]))
+    err = (a - b).abs().max().item()
+    assert err < (TOL_F32 if weights == "f32" else TOL_Q8 * b.std().item()), err
+    # the check has teeth: logits one position off are far away
+    assert (a[1:] - b[:-1]).abs().max() > 100 * TOL_F32
+
+
+@pytest.mark.parametrize("kind,block,rejected", [("qwen35", 6, 2), ("qwen35moe", 5, 4), ("qwen3next", 3, 1)])
+def test_rows_are_independent_and_rollback_is_exact(files, kind, block, rejected):
+    """On the C++ path: a verification block gives each row what decoding it alone gives, bit for
+    bit, and after `trim(rejected)` the state is exactly that of feeding only the kept rows."""
+    m = _native_only(load_model(files[kind]["q8"], "fast"))
+    prompt, blk, after = TOKENS[:20], TOKENS[20:20 + block], TOKENS[30:33]
+    a, b, c = m.make_cache(96), m.make_cache(96), m.make_cache(96)
+    for x in (a, b, c):
+        m(torch.tensor(prompt), x)
+    la = m.logits(m(torch.tensor(blk), a))
+    rows = torch.cat([m.logits(m(torch.tensor([t]), c)) for t in blk])
+    assert torch.equal(la, rows)
+    a.trim(rejected)
+    kept = block - rejected
+    lb = m.logits(m(torch.tensor(blk[:kept]), b))
+    assert torch.equal(la[:kept], lb)
+    assert torch.equal(m.logits(m(torch.tensor(after), a)), m.logits(m(torch.tensor(after), b)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_gives_each_sequence_its_own_result(files, kind):
+    """forward_batch over sequences at different positions with different row counts (one matrix
+    product for all rows, recurrent state and attention per sequence) == each sequence alone."""
+    m = _native_only(load_model(files[kind]["q8"], "fast"))
+    prompts = [TOKENS[:9], TOKENS[3:20], TOKENS[7:12]]
+    steps = [TOKENS[20:21], TOKENS[21:25], TOKENS[25:27]]
+    alone, batched = [], [m.make_cache(64) for _ in prompts]
+    for p, s, c in zip(prompts, steps, batched):
+        m(torch.tensor(p), c)
+    for p, s in zip(prompts, steps):
+        c = m.make_cache(64)
+        m(torch.tensor(p), c)
+        alone.append((m(torch.tensor(s), c), c.length))
+    got = m.forward_batch([torch.tensor(s) for s in steps], batched)
+    for (h, n), g, c in zip(alone, got, batched):
+        assert torch.equal(h, g) and c.length == n
+    # then one more token each (decode_batch) still agrees with decoding alone
+    nxt = torch.tensor([1, 2, 3])
+    h = m.decode_batch(nxt, batched)
+    for i, (p, s) in enumerate(zip(prompts, steps)):
+        c = m.make_cache(64)
+        m(torch.tensor(p), c)
+        m(torch.tensor(s), c)
+        assert torch.equal(m(nxt[i:i + 1], c), h[i:i + 1])
+
+
+def test_mtp_block_runs_on_the_stack_and_speculation_stays_greedy_identical(files):
+    from mtpllm.speculative import SpecConfig
+    path = files["qwen35moe"]["q8"]
+    eng = Engine(_native_only(load_model(path, "fast")), GGUFTokenizer(GGUFFile(path).metadata, "qwen35moe"), 256)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = eng.encode_prompt("the fox = the fox", chat=False)
+    ref = eng.generate(prompt_ids=ids, params=p).tokens
+    for k in (1, 3, 6):
+        spec = SpecConfig("mtp", k).build(eng)
+        out = eng.generate(prompt_ids=ids, params=p, speculative=spec)
+        assert out.tokens == ref, k
+        assert isinstance(spec.proposer.head.block._native, torch.ScriptObject)
+        st = out.stats
+        assert st.num_accepted_tokens > 0 and st.accepted_per_pos[0] < st.drafted_per_pos[0]
+
+
+def test_scheduler_serves_hybrid_sequences_as_alone(files):
+    """Continuous batching on a hybrid with its MTP layer: several requests share forwards (the C++
+    stack over all their rows) and each gets the tokens it gets alone."""
+    import threading
+
+    from mtpllm.runtime.scheduler import Scheduler
+    from mtpllm.speculative import SpecConfig
+    path = files["qwen35"]["q8"]
+    eng = Engine(_native_only(load_model(path, "fast")), GGUFTokenizer(GGUFFile(path).metadata, "qwen35"), 128)
+    spec = SpecConfig("mtp", 3).build(eng)
+    prompts = [eng.encode_prompt(t, chat=False) for t in ("the fox = the fox", "a b c a b", "the the the", "fox")]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = []
+    for ids, p in zip(prompts, params):
+        eng.reset()
+        want.append(eng.generate(prompt_ids=ids, params=p, speculative=spec).tokens)
+    eng.reset()
+    m, batched = eng.model, []
+    real = m.forward_batch
+
+    def forward_batch(tokens, caches):  # record the batched forwards that completed
+        out = real(tokens, caches)
+        batched.append(len(caches))
+        return out
+
+    m.forward_batch = forward_batch
+    sched = Scheduler(eng, spec, n_slots=3)
+    got = {}
+
+    def client(i, r):
+        got[i] = [x.token for x in r if x.token is not None]
+
+    try:
+        reqs = [sched.submit(ids, p) for ids, p in zip(prompts, params)]
+        ts = [threading.Thread(target=client, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=120)
+    finally:
+        sched.shutdown(1)
+    assert [got[i] for i in range(len(prompts))] == want
+    assert sched.steps < sum(len(w) for w in want) and max(batched) == 3  # steps were shared
