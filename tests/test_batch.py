@@ -82,3 +82,22 @@ def test_keep_hidden_gives_the_state_of_every_token(engine):
         cache = engine.model.make_cache(len(seq), "cpu")
         alone = [engine._evaluate(i, cache)] + [engine.model(torch.tensor([t]), cache) for t in c.tokens]
         assert torch.equal(c.hidden, torch.cat(alone).float())
+
+
+def test_eos_ends_each_sequence_as_alone(engine):
+    """EOS (made likely with a logit bias): a sequence that samples it ends there with "stop", its
+    tokens and text exactly those it gets alone; the others go on."""
+    import torch
+    eos = min(engine.tokenizer.eos_ids)
+    ids = [engine.encode_prompt(p, chat=False) for p in PROMPTS]
+    # the bias that puts EOS one logit below the first prompt's top token (the tiny models' logits
+    # differ in scale): likely at every step, rarely the first
+    first = engine.model.logits(engine.model(torch.tensor(ids[0]), engine.model.make_cache(64)))[-1]
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_tokens=24,
+                            logit_bias={eos: float(first.max() - first[eos]) - 1.0})
+    got = engine.generate_batch(ids, params)
+    for i, c in zip(ids, got):
+        ref = _alone(engine, i, params)
+        assert (c.tokens, c.text, c.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
+        assert eos not in c.tokens
+    assert any(c.finish_reason == "stop" and c.tokens for c in got)

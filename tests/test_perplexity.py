@@ -106,3 +106,24 @@ def test_compressed_path_perplexity_within_one_percent_of_float32():
     assert fast.tokens_scored == 2 * 255
     assert abs(fast.ppl / ref.ppl - 1) < 0.01
     assert abs(prompt.ppl / ref.ppl - 1) < 0.01
+
+
+# llama.cpp's `llama-perplexity -m FILE -f tests/data/sonnets.txt -c 512` (llama.cpp as vendored by
+# llama-cpp-python 0.3.36, CPU build, default settings: f16 KV cache, 4 chunks, 1,020 tokens scored)
+# on the registry files; docs/benchmarks.md records the run.
+LLAMA_CPP_PPL = {"gemma-3-270m": 71.1013, "qwen2.5-coder-0.5b": 141.6823, "qwen2.5-coder-1.5b": 26.1776}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_PPL))
+def test_perplexity_matches_llama_perplexity(name):
+    """Issue target: `mtpllm perplexity -c 512` within 1% of llama-perplexity on the same file. The
+    two engines differ in arithmetic only (llama.cpp keeps the KV cache in f16, sums in other
+    orders), which moves the figure by a few tenths of a percent; a protocol difference (a chunk
+    without BOS, other tokens scored, another tokenization) or a model error moves it by far more:
+    on this file Gemma 3 scores 111.1 when only the first chunk starts with BOS (llama.cpp: 71.1)."""
+    eng = Engine.load(name, n_ctx=512)
+    r = perplexity(eng, TEXT, n_ctx=512)
+    print(f"{name}: PPL {r.ppl:.4f}, llama-perplexity {LLAMA_CPP_PPL[name]:.4f}")
+    assert r.chunks == 4 and r.tokens_scored == 4 * 255
+    assert abs(r.ppl / LLAMA_CPP_PPL[name] - 1) < 0.01

@@ -27,8 +27,7 @@ from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
 from .sampling import SamplingParams, make_sampler
-from .sequence import (OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, first_stop,
-                       run_steps)
+from .sequence import OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, run_steps
 
 __all__ = ["Engine", "Completion", "Response", "Timings", "resolve_device", "check_kv_memory"]
 
@@ -271,7 +270,8 @@ class Engine:
         unfinished sequence through the model as one batch (`Transformer.decode_batch`), so the
         weights are read once per step for all of them. Each sequence gets exactly the tokens that
         `generate` would give it alone (same kernels row by row; greedy identical, sampling from the
-        same distributions). Plain decoding only; stop strings, EOS and max_tokens per sequence.
+        same distributions). Plain decoding only; EOS, stop strings, max_tokens and the text per
+        sequence by its own `OutputText`, as `stream` does.
         Each sequence gets its own KV cache of len(prompt) + max_tokens positions (at most n_ctx).
 
         keep_hidden: each Completion also carries the model's final-normed hidden state of every
@@ -283,8 +283,6 @@ class Engine:
             return []
         for ids in prompts:
             self._check_prompt(ids)
-        tok = self.tokenizer
-        eos = set() if params.ignore_eos else tok.eos_ids
         check_kv_memory(self.model.cfg, sum(min(self.n_ctx, len(ids) + params.max_tokens) for ids in prompts))
         t0 = time.perf_counter()
         caches, hidden, samplers = [], [], []
@@ -299,39 +297,28 @@ class Engine:
             caches.append(cache)
             samplers.append(make_sampler(params, self.device))
         t1 = time.perf_counter()
-        B = len(prompts)
-        out: list[list[int]] = [[] for _ in range(B)]
-        finish: list[str | None] = ["length" if params.max_tokens == 0 else None] * B
-        cut_texts: list[str | None] = [None] * B  # output text cut at a stop string
-        seen = [0] * B  # characters of each output already searched for stop strings
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        live = [b for b in range(B) if finish[b] is None]
+        # EOS, stop strings, max tokens and the text: each sequence's OutputText, as in `stream`
+        outs = [OutputText(self.tokenizer, params) for _ in prompts]
+        texts: list[list[str]] = [[] for _ in prompts]
+        live = [b for b, o in enumerate(outs) if o.finish is None]
         h = torch.cat(hidden)
         last: list[tuple[int, int, int]] = []  # sequences done by max_tokens whose last token is fed for its state
         while live:
             logits = self.model.logits(h)
             nxt = []
             for row, b in enumerate(live):
-                t = samplers[b].sample(logits[row], prompts[b] + out[b])
-                if t in eos:
-                    finish[b] = "stop"
-                    continue
-                out[b].append(t)
-                if params.stop:
-                    text = tok.decode(out[b], skip_special=True)
-                    cut = first_stop(text, params.stop, max(0, seen[b] - hold))
-                    seen[b] = len(text.rstrip("\ufffd"))  # a character still incomplete may change
-                    if cut is not None:
-                        cut_texts[b], finish[b] = text[:cut], "stop"
-                        continue
-                if len(out[b]) >= params.max_tokens:
-                    finish[b] = "length"
-                    if keep_hidden and caches[b].length + 1 <= caches[b].max_len:
-                        last.append((row, b, t))  # fed once more, for its state only
-                elif caches[b].length + 2 > caches[b].max_len:
-                    finish[b] = "context"
-                else:
+                o = outs[b]
+                t = samplers[b].sample(logits[row], prompts[b] + o.generated)
+                emitted = [piece for _, piece, _, _ in o.add([t])]  # nothing for EOS
+                texts[b] += emitted
+                if o.finish is None and caches[b].length + 2 > caches[b].max_len:
+                    o.finish = "context"
+                if o.finish is None:
                     nxt.append((row, b, t))
+                elif not emitted or o.finish == "context":
+                    texts[b].append(o.flush())  # EOS or a full context: the text held back
+                elif o.finish == "length" and keep_hidden and caches[b].length + 1 <= caches[b].max_len:
+                    last.append((row, b, t))  # fed once more, for its state only
             live = [b for _, b, _ in nxt]
             if live or last:
                 fed = nxt + last
@@ -343,11 +330,11 @@ class Engine:
                 h, last = h[:len(nxt)], []
         t2 = time.perf_counter()
         done = []
-        for b in range(B):
-            text = cut_texts[b] if cut_texts[b] is not None else tok.decode(out[b], skip_special=True)
+        n_out = sum(len(o.generated) for o in outs)
+        for b, o in enumerate(outs):
             tm = Timings(load_ms=self.load_ms, prompt_n=sum(map(len, prompts)), prompt_ms=(t1 - t0) * 1e3,
-                         predicted_n=sum(map(len, out)), predicted_ms=(t2 - t1) * 1e3)
-            done.append(Completion(text, out[b], finish[b], tm, len(prompts[b]),
+                         predicted_n=n_out, predicted_ms=(t2 - t1) * 1e3)
+            done.append(Completion("".join(texts[b]), list(o.generated), o.finish, tm, len(prompts[b]),
                                    hidden=torch.cat(states[b]) if keep_hidden else None))
         return done
 
