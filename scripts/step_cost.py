@@ -87,16 +87,18 @@ def main():
                     runs[(v, T)].append(stack.stage_times())
             stack.set_timing(False)
             stages = {key: [statistics.median(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
+            fastest = {key: [min(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
     for c, name in cases.items():
         v = times[c]
         print(f"forward of {name} at 300 positions: median {statistics.median(v):.2f} ms, min {min(v):.2f} ms")
     names = ("norm + QKV", "attention", "output + residual", "norm + gate/up", "SiLU * up", "down + residual")
     for v in values if stages else ():
-        if choice:
-            print(f"stages, {a.choice.split('=')[0]}={v} (medians of {a.reps}):")
+        print(f"stages{f', {a.choice.split(chr(61))[0]}={v}' if choice else ''}: medians of {a.reps} (fastest)")
         for i, name in enumerate(names):
-            print(f"  {name:<18} " + "   ".join(f"{T} row(s) {stages[(v, T)][i]:6.2f} ms" for T in rows))
-        print(f"  {'all blocks':<18} " + "   ".join(f"{T} row(s) {sum(stages[(v, T)]):6.2f} ms" for T in rows))
+            print(f"  {name:<18} " + "   ".join(f"{T} row(s) {stages[(v, T)][i]:6.2f} ms (min {fastest[(v, T)][i]:6.2f})"
+                                              for T in rows))
+        print(f"  {'all blocks':<18} " + "   ".join(f"{T} row(s) {sum(stages[(v, T)]):6.2f} ms (min {sum(fastest[(v, T)]):6.2f})"
+                                                  for T in rows))
 
 
 if __name__ == "__main__":
