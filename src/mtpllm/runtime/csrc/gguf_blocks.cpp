@@ -754,9 +754,13 @@ inline void x8_tile4(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fac
         const __m256i raw0 = loadu(b + 128 * g + 32 * q), raw1 = loadu(b + 128 * g + 64 + 32 * q);
         const __m256i lo0 = _mm256_and_si256(raw0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), m4);
         const __m256i lo1 = _mm256_and_si256(raw1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), m4);
-        const __m128i sd = dup_bytes(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + X8_SC + 8 * g)));
-        const __m256i sc = _mm256_cvtepu8_epi32(q ? _mm_srli_si128(sd, 8) : sd);
-        const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // int16 pairs (scale, scale)
+        // the scale of row 4 q + j as int16 in lanes 4 j .. 4 j + 3 (int32 lanes 2 j, 2 j + 1 hold the
+        // pairs (scale, scale)): one shuffle of the group's 8 scale bytes
+        const __m256i s8 = _mm256_set1_epi64x(load8(reinterpret_cast<const int8_t*>(b + X8_SC + 8 * g)));
+        const __m256i sc16 = _mm256_shuffle_epi8(s8, _mm256_setr_epi8(
+            4 * q, -1, 4 * q, -1, 4 * q, -1, 4 * q, -1, 4 * q + 1, -1, 4 * q + 1, -1, 4 * q + 1, -1, 4 * q + 1, -1,
+            4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 3, -1, 4 * q + 3, -1, 4 * q + 3, -1,
+            4 * q + 3, -1));
         for (int r = 0; r < RM; ++r) {
           const int8_t* x = x0 + r * a.K + 32 * g;
           // 16-bit lanes of 4 pairs of u4 x s8 products: at most 4 * 2 * 15 * 127
