@@ -1748,6 +1748,20 @@ at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArray
 }
 }  // namespace mtpllm
 
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
+  m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
+  m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
+  m.def("gguf_repack(Tensor w, int type, int K) -> Tensor");
+  m.def("gguf_linear_chunk(Tensor x, Tensor[] ws, int[] types) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_repack", &gguf_repack);
+  m.impl("gguf_linear_chunk", &gguf_linear_chunk);
+}
+
 namespace {
 // The AVX2 build's choice of verification tiles (x8_tile4_mask): set when value >= 0; returns the
 // value before (-1 in the AVX-512 VNNI build, whose tiles take 4 rows anyway)
@@ -1764,17 +1778,4 @@ int64_t x8_tile4_choice(int64_t value) {
 }
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
-  m.def("x8_tile4(int value) -> int", &x8_tile4_choice);
-  m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
-  m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
-  m.def("gguf_repack(Tensor w, int type, int K) -> Tensor");
-  m.def("gguf_linear_chunk(Tensor x, Tensor[] ws, int[] types) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
-  m.impl("gguf_linear", &gguf_linear);
-  m.impl("gguf_dequantize", &gguf_dequantize);
-  m.impl("gguf_repack", &gguf_repack);
-  m.impl("gguf_linear_chunk", &gguf_linear_chunk);
-}
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) { m.def("x8_tile4(int value) -> int", &x8_tile4_choice); }
