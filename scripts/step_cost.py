@@ -1,11 +1,14 @@
 """What one speculative step costs against one plain step, in one process.
 
     python scripts/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2] [--stages] [--no-decode]
+                                [--rows 1,4] [-r 25] [--choice x8_tile4=0,3]
 
 Decodes one code prompt plain and with speculation (three rounds, alternating; draft and
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
 at ~300 positions with and without the logits and their argmax (25 alternations, median and min).
-The per-stage figures in docs/kernels.md come from this script.
+The per-stage figures in docs/kernels.md come from this script. `--choice NAME=A,B` times the
+forwards (and stages) under each value of a kernel choice (`kernels.NAME(value)`, e.g. x8_tile4),
+alternating between them in every repetition, so that the comparison survives other load.
 """
 import argparse
 import statistics
@@ -26,6 +29,9 @@ def main():
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--stages", action="store_true", help="also time each stage of the C++ blocks")
     ap.add_argument("--no-decode", action="store_true", help="skip the decoding rounds")
+    ap.add_argument("--rows", default="1,4", help="forward row counts to time, comma-separated")
+    ap.add_argument("-r", "--reps", type=int, default=25, help="alternations of the forward timings")
+    ap.add_argument("--choice", help="NAME=A,B: time under each value of kernels.NAME (alternating)")
     a = ap.parse_args()
     eng = Engine.load(a.model, n_ctx=1024, threads=a.threads)
     method, k = a.spec.split(":")
@@ -58,36 +64,52 @@ def main():
                 cache.trim(T)
             else:
                 cache.restore(snap)
-        cases = {f"{T} row(s){' + logits' if lg else ''}": (T, lg) for lg in (False, True) for T in (1, 4)}
-        times = {name: [] for name in cases}
-        for _ in range(25):
-            for name, (T, lg) in cases.items():
+        rows = [int(r) for r in a.rows.split(",")]
+        choice, values = None, [None]
+        if a.choice:
+            from mtpllm.runtime import kernels
+            name, vals = a.choice.split("=")
+            choice, values = getattr(kernels, name), [int(v) for v in vals.split(",")]
+        cases = {(v, T, lg): f"{T} row(s){' + logits' if lg else ''}" + (f" [{a.choice.split('=')[0]}={v}]" if choice else "")
+                 for lg in (False, True) for T in rows for v in values}
+        times = {c: [] for c in cases}
+        for _ in range(a.reps):
+            for (v, T, lg) in cases:
+                if choice:
+                    choice(v)
                 t0 = time.perf_counter()
                 forward(T, lg)
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                times[(v, T, lg)].append((time.perf_counter() - t0) * 1e3)
                 back(T)
         stages = {}
         stack = getattr(m, "_stack", None)
         if a.stages and stack is not None and stack is not False:  # the C++ blocks' own timers, per stage, summed over the layers
-            for T in (1, 4):
-                runs = []
-                for _ in range(25):
+            runs = {(v, T): [] for v in values for T in rows}
+            for _ in range(a.reps):
+                for (v, T) in runs:
+                    if choice:
+                        choice(v)
                     stack.set_timing(True)
                     forward(T, False)
-                    runs.append(stack.stage_times())
+                    runs[(v, T)].append(stack.stage_times())
                     back(T)
-                stack.set_timing(False)
-                stages[T] = [statistics.median(r[i] for r in runs) for i in range(len(runs[0]))]
-    for name, v in times.items():
+            stack.set_timing(False)
+            stages = {key: [statistics.median(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
+            fastest = {key: [min(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
+    for c, name in cases.items():
+        v = times[c]
         print(f"forward of {name} at 300 positions: median {statistics.median(v):.2f} ms, min {min(v):.2f} ms")
     names = ("norm + QKV", "attention", "output + residual", "norm + gate/up", "SiLU * up", "down + residual")
-    if stages and len(stages[1]) == 7:  # a hybrid model's HybridStack
+    if stages and len(next(iter(stages.values()))) == 7:  # a hybrid model's HybridStack
         names = ("DeltaNet norm + proj", "delta rule", "DeltaNet output", "attn norm + QKV", "attention",
                  "attn output", "FFN")
-    for i, name in enumerate(names if stages else ()):
-        print(f"  {name:<20} 1 row {stages[1][i]:6.2f} ms   4 rows {stages[4][i]:6.2f} ms (medians of 25)")
-    if stages:
-        print(f"  {'all blocks':<20} 1 row {sum(stages[1]):6.2f} ms   4 rows {sum(stages[4]):6.2f} ms")
+    for v in values if stages else ():
+        print(f"stages{f', {a.choice.split(chr(61))[0]}={v}' if choice else ''}: medians of {a.reps} (fastest)")
+        for i, name in enumerate(names):
+            print(f"  {name:<18} " + "   ".join(f"{T} row(s) {stages[(v, T)][i]:6.2f} ms (min {fastest[(v, T)][i]:6.2f})"
+                                              for T in rows))
+        print(f"  {'all blocks':<18} " + "   ".join(f"{T} row(s) {sum(stages[(v, T)]):6.2f} ms (min {sum(fastest[(v, T)]):6.2f})"
+                                                  for T in rows))
 
 
 if __name__ == "__main__":

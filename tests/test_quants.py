@@ -453,6 +453,36 @@ def test_repacked_kquant_kernel_matches_reference(qtype, m, k):
 
 
 @needs_kernel
+def test_avx2_verification_tiles_give_the_same_bits():
+    """The AVX2 build's two tilings of 3+ rows of x over Q4_Kx8 / Q6_Kx8 (`kernels.x8_tile4`: all
+    rows of a tile of 4 in one pass, or tiles of 2) compute the same integers: bit-identical
+    outputs for verification and prompt-chunk row counts, short and long K, with an outlier in x;
+    every row equals its one-row product. The VNNI build has one tiling (the choice reads -1)."""
+    old = kernels.x8_tile4()
+    if old < 0:
+        assert kernels.isa() == "avx512vnni" and kernels.x8_tile4(0) == -1
+        return
+    with pytest.raises(RuntimeError, match="mask"):
+        kernels.x8_tile4(4)
+    try:
+        for t8 in (kernels.Q4_KX8, kernels.Q6_KX8):
+            for k in (512, 2560):
+                w = _x8(24, k, 40, t8)
+                for m in (2, 3, 4, 5, 6, 7, 33):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    x[:, 9] *= 30
+                    ys = []
+                    for mask in (0, 1, 2, 3):
+                        assert kernels.x8_tile4(mask) in (0, 1, 2, 3)
+                        ys.append(kernels.gguf_linear(x, [w], [t8]))
+                    assert all(torch.equal(ys[0], y) for y in ys[1:]), (t8, k, m)
+                    for i in (0, m - 1):
+                        assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [t8]), ys[0][i:i + 1])
+    finally:
+        kernels.x8_tile4(old)
+
+
+@needs_kernel
 @pytest.mark.parametrize("types,k", [((QT.Q4_K, QT.Q6_K, QT.Q4_K), 512), ((QT.Q5_0, QT.Q8_0, QT.Q5_0), 256)])
 def test_linear_repacks_at_load(tmp_path, monkeypatch, types, k):
     """A model's Q4_K / Q6_K / Q5_0 / Q8_0 matrices (rows divisible by 8) run repacked by 8 rows, fused with

@@ -189,6 +189,7 @@ def _build() -> None:
             _state["rms_norm"] = torch.ops.mtpllm.rms_norm
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
             _state["silu_mul"] = torch.ops.mtpllm.silu_mul
+            _state["x8_tile4"] = torch.ops.mtpllm.x8_tile4
             _state["isa"] = name
             return
         except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
@@ -284,6 +285,14 @@ def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: t
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [T, 2F] float32 (gate | up) -> silu(gate) * up [T, F] (csrc/decode.cpp)."""
     return _op("silu_mul")(gu)
+
+
+def x8_tile4(value: int = -1) -> int:
+    """The AVX2 build's verification tiles for 3-4 rows of x on the 8-row K-quant layouts: a mask,
+    bit 0 Q4_Kx8, bit 1 Q6_Kx8 run them in one pass (each group's codes decoded once for all rows),
+    clear: tiles of 2 rows. Both give the same bits. Sets it when value >= 0; returns the value it
+    had (-1 in the AVX-512 VNNI build, whose tiles always take 4 rows)."""
+    return int(_op("x8_tile4")(int(value)))
 
 
 def decode_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float, eps: float,

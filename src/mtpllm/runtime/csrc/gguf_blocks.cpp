@@ -725,6 +725,62 @@ inline void x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc
   }
   for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
 }
+
+// 3-4 rows of x in one pass (verification): x8_tile<2> twice decodes every code twice and reads
+// the block twice (from L2 where K is long). Here each super-block is swept once per half q
+// (weight rows 4 q .. 4 q + 3): the half's codes of a group are decoded once into 4 registers and
+// serve all RM rows of x, whose int32 sums (RM registers) are all that is kept across the groups.
+// The same integers as x8_tile (16-bit partial sums in another order: exact, no overflow).
+template <int RM>
+inline void x8_tile4(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * X8_BYTES;
+    __m256i sq[2][RM];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      const int8_t* x0 = a.q + i * 256;
+      // the same broadcasts of x in both halves: without this the compiler keeps those of the first
+      // half for the second, on the stack (a store and a reload each, slower than broadcasting again)
+      __asm__ volatile("" : "+r"(x0));
+      __m256i sacc[RM];
+      for (int r = 0; r < RM; ++r) sacc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        if (q == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(b + PF + 128 * g + 64), _MM_HINT_T0);
+        }
+        const __m256i raw0 = loadu(b + 128 * g + 32 * q), raw1 = loadu(b + 128 * g + 64 + 32 * q);
+        const __m256i lo0 = _mm256_and_si256(raw0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), m4);
+        const __m256i lo1 = _mm256_and_si256(raw1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), m4);
+        // the scale of row 4 q + j as int16 in lanes 4 j .. 4 j + 3 (int32 lanes 2 j, 2 j + 1 hold the
+        // pairs (scale, scale)): one shuffle of the group's 8 scale bytes
+        const __m256i s8 = _mm256_set1_epi64x(load8(reinterpret_cast<const int8_t*>(b + X8_SC + 8 * g)));
+        const __m256i sc16 = _mm256_shuffle_epi8(s8, _mm256_setr_epi8(
+            4 * q, -1, 4 * q, -1, 4 * q, -1, 4 * q, -1, 4 * q + 1, -1, 4 * q + 1, -1, 4 * q + 1, -1, 4 * q + 1, -1,
+            4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 2, -1, 4 * q + 3, -1, 4 * q + 3, -1, 4 * q + 3, -1,
+            4 * q + 3, -1));
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* x = x0 + r * a.K + 32 * g;
+          // 16-bit lanes of 4 pairs of u4 x s8 products: at most 4 * 2 * 15 * 127
+          __m256i acc = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi64x(load8(x))),
+                                         _mm256_maddubs_epi16(hi0, _mm256_set1_epi64x(load8(x + 16))));
+          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(lo1, _mm256_set1_epi64x(load8(x + 8))));
+          acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(hi1, _mm256_set1_epi64x(load8(x + 24))));
+          sacc[r] = _mm256_add_epi32(sacc[r], _mm256_madd_epi16(acc, sc16));
+          __asm__("" : "+x"(sacc[r]));
+        }
+      }
+      for (int r = 0; r < RM; ++r) sq[q][r] = sacc[r];
+    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r)  // lanes [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order
+      s[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sq[0][r], sq[1][r]), 0xD8);
+    x8_mins<RM>(b, a, i, macc);
+    x8_finish<RM>(b, a, i, s, macc, facc_out);
+  }
+}
 #endif
 
 // Q4_K rows [8 g0, 8 g1) of w (uint8 [N, K / 256 * 144]) -> row groups [g0, g1) of the Q4_Kx8 layout
@@ -908,6 +964,59 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
   }
   for (int r = 0; r < RM; ++r) facc_out[r] = facc[r];
 }
+
+// 3-4 rows of x in one pass, as x8_tile4: each half q of a super-block (weight rows 4 q .. 4 q + 3)
+// is decoded once per group and serves all RM rows; the same integers as q6x8_tile
+template <int RM>
+inline void q6x8_tile4(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = blk + i * Q6X8_BYTES;
+    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    __m256i sq[2][RM];
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q) {
+      const int8_t* x0 = a.q + i * 256;
+      // the same broadcasts of x in both halves: without this the compiler keeps those of the first
+      // half for the second, on the stack (a store and a reload each, slower than broadcasting again)
+      __asm__ volatile("" : "+r"(x0));
+      __m256i sacc[RM];
+      for (int r = 0; r < RM; ++r) sacc[r] = _mm256_setzero_si256();
+      const __m128i il = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), _mm_set1_epi8(8 * q));
+      const __m128i ih = _mm_add_epi8(il, _mm_set1_epi8(1));
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m256i qh = loadu(b + Q6X8_QH + 64 * g + 32 * q);
+        const __m256i raw0 = loadu(b + 128 * g + 32 * q), raw1 = loadu(b + 128 * g + 64 + 32 * q);
+        const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(raw0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+        const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), m4),
+                                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+        const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(raw1, m4), _mm256_and_si256(qh, m30));
+        const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        // the scale of row 4 q + j in 16-bit lanes 4 j .. 4 j + 3: bytes 2 (4 q + j) + h, widened
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Q6X8_SC + 16 * g));
+        const __m256i scl = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, il));
+        const __m256i sch = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, ih));
+        for (int r = 0; r < RM; ++r) {
+          const int8_t* x = x0 + r * a.K + 32 * g;
+          // pairs of u6 x s8 products, two per 16-bit lane: at most 4 * 63 * 127
+          const __m256i al = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi64x(load8(x))),
+                                              _mm256_maddubs_epi16(lo1, _mm256_set1_epi64x(load8(x + 8))));
+          const __m256i ah = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, _mm256_set1_epi64x(load8(x + 16))),
+                                              _mm256_maddubs_epi16(hi1, _mm256_set1_epi64x(load8(x + 24))));
+          sacc[r] = _mm256_add_epi32(sacc[r], _mm256_add_epi32(_mm256_madd_epi16(al, scl), _mm256_madd_epi16(ah, sch)));
+          __asm__("" : "+x"(sacc[r]));
+        }
+      }
+      for (int r = 0; r < RM; ++r) sq[q][r] = sacc[r];
+    }
+    __m256i s[RM], macc[RM];
+    for (int r = 0; r < RM; ++r) s[r] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sq[0][r], sq[1][r]), 0xD8);
+    q6x8_offsets<RM>(b, a, i, macc);
+    q6x8_finish<RM>(b, a, i, s, macc, facc_out);
+  }
+}
 #endif
 
 // Output rows [n0, n1) of a Q4_Kx8 or Q6_Kx8 matrix (row groups of 8 starting in that range) against
@@ -918,6 +1027,20 @@ struct Q4Kx8Tile {
 struct Q6Kx8Tile {
   template <int RM> static void run(const uint8_t* b, int64_t nsb, const ActK& a, __m256* f) { q6x8_tile<RM>(b, nsb, a, f); }
 };
+
+#if !MTPLLM_VNNI
+// AVX2 build: which 8-row K-quant layouts run 3-4 rows of x in one pass (x8_tile4 / q6x8_tile4)
+// instead of tiles of 2: bit 0 Q4_Kx8, bit 1 Q6_Kx8 (`x8_tile4` op). Both give the same bits.
+int64_t& x8_tile4_mask() {
+  static int64_t v = 3;
+  return v;
+}
+template <class Tile> bool x8_tile4_on() { return x8_tile4_mask() & (std::is_same_v<Tile, Q4Kx8Tile> ? 1 : 2); }
+template <class Tile, int RM> void run_tile4(const uint8_t* b, int64_t nsb, const ActK& a, __m256* f) {
+  if constexpr (std::is_same_v<Tile, Q4Kx8Tile>) x8_tile4<RM>(b, nsb, a, f);
+  else q6x8_tile4<RM>(b, nsb, a, f);
+}
+#endif
 
 template <class Tile, int RM = X8_RM>
 inline void kx8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
@@ -947,6 +1070,25 @@ void kx8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, con
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + r * ldy + (grp + h) * 8, f[h][r]);
     }
+  }
+#endif
+#if !MTPLLM_VNNI
+  if (M > 2 && x8_tile4_on<Tile>()) {
+    for (; grp * 8 < n1; ++grp) {
+      const uint8_t* blk = w + grp * group_bytes;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int rm = static_cast<int>(std::min<int64_t>(4, M - m));
+        __m256 facc[4];
+        for (int r = 0; r < 4; ++r) facc[r] = _mm256_setzero_ps();
+        switch (rm) {
+          case 4: run_tile4<Tile, 4>(blk, nsb, xk.from(m), facc); break;
+          case 3: run_tile4<Tile, 3>(blk, nsb, xk.from(m), facc); break;
+          default: kx8_tile_rm<Tile>(rm, blk, nsb, xk.from(m), facc); break;
+        }
+        for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
+      }
+    }
+    return;
   }
 #endif
   for (; grp * 8 < n1; ++grp) {
@@ -1619,3 +1761,21 @@ TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {
   m.impl("gguf_repack", &gguf_repack);
   m.impl("gguf_linear_chunk", &gguf_linear_chunk);
 }
+
+namespace {
+// The AVX2 build's choice of verification tiles (x8_tile4_mask): set when value >= 0; returns the
+// value before (-1 in the AVX-512 VNNI build, whose tiles take 4 rows anyway)
+int64_t x8_tile4_choice(int64_t value) {
+#if MTPLLM_VNNI
+  (void)value;
+  return -1;
+#else
+  TORCH_CHECK(value <= 3, "x8_tile4: a mask of bits 0 (Q4_Kx8) and 1 (Q6_Kx8), got ", value);
+  const int64_t old = x8_tile4_mask();
+  if (value >= 0) x8_tile4_mask() = value;
+  return old;
+#endif
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtpllm, m) { m.def("x8_tile4(int value) -> int", &x8_tile4_choice); }
