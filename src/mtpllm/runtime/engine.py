@@ -26,6 +26,7 @@ from ..models.hf import open_model_file
 from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
+from .prefix import PrefixSnapshot, untrimmable_parts
 from .sampling import SamplingParams, make_sampler
 from .sequence import OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, first_stop
 
@@ -149,23 +150,34 @@ class Engine:
         if max_reuse is not None:
             common = min(common, max_reuse)
         if cache.length - common > cache.max_trim():  # e.g. recurrent state: no way back that far
-            common = 0
-            cache.reset()
+            snap = slot.prefix  # ... but perhaps a copy of it at the end of an earlier prompt
+            if snap is not None and snap.usable(cache, prompt, common):
+                common = snap.restore(cache)
+            else:
+                common = 0
+                cache.reset()
         cache.trim(cache.length - common)
         slot.tokens = list(prompt[:common])
         seq.cached_n = common
-        hidden = self._evaluate(prompt[common:], cache)
+        keep = None
+        if untrimmable_parts(cache):
+            def keep(c):  # the state before the prompt's last token, for a later request to restart from
+                if slot.prefix is None or slot.prefix.tokens != prompt[:-1]:
+                    slot.prefix = PrefixSnapshot(c, prompt[:-1])
+        hidden = self._evaluate(prompt[common:], cache, keep)
         slot.tokens = list(prompt)
         seq.prompt_hidden = hidden
         return hidden[-1:]
 
-    def _evaluate(self, tokens: list[int], cache) -> torch.Tensor:
+    def _evaluate(self, tokens: list[int], cache, keep=None) -> torch.Tensor:
         """Prompt tokens into `cache` in chunks -> their hidden states [T, D]. The last token always
         goes alone, through the one-token decoding kernels: a later request that reuses this prefix
-        recomputes just that token, and gets the same bits."""
+        recomputes just that token, and gets the same bits. `keep(cache)` is called just before it."""
         todo = torch.tensor(tokens, dtype=torch.long, device=self.device)
         parts = [self.model(todo[s:min(s + PREFILL_CHUNK, todo.shape[0] - 1)], cache)
                  for s in range(0, todo.shape[0] - 1, PREFILL_CHUNK)]
+        if keep is not None:
+            keep(cache)
         parts.append(self.model(todo[-1:], cache))
         return torch.cat(parts)
 
