@@ -57,6 +57,9 @@ N_GEN = 40
 # differ by ~1e-5. A position whose top two logits are closer than TIE may go either way; the
 # comparison stops there (it has not happened on these files: see the `compared` assertion)
 TIE = 1e-3
+# llama.cpp's qwen35 graphs take the DeltaNet value head dim equal to the key head dim (as in the
+# released models); the tiny configs of test_qwen35 make them differ, so here they are made equal
+SAME_DIMS = dict(linear_value_head_dim=16)
 
 
 def _free_port() -> int:
@@ -136,7 +139,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("lcpp")
     out = {}
     for kind in ("qwen35", "qwen35moe", "qwen3next"):
-        d, _ = tiny_hybrid.make_tiny_hf(root / kind, kind, echo=0.1)
+        d, _ = tiny_hybrid.make_tiny_hf(root / kind, kind, echo=0.1, **SAME_DIMS)
         out[kind] = tiny_hybrid.llamacpp_convert(SRC, d, root / f"{kind}.gguf")
     return out
 
@@ -164,29 +167,40 @@ def test_greedy_tokens_with_mtp_equal_llamacpp(converted, kind, k, tmp_path):
     assert timings.get("draft_n", 0) > 0, timings  # llama.cpp did draft
     assert st.num_draft_tokens > 0
     assert _compare(mine, margins, theirs) >= N_GEN // 2
+    # the same layer drafts the same tokens: acceptance rates agree (llama.cpp cuts its last draft
+    # to the tokens left, so the counts of drafts differ slightly)
+    assert abs(st.acceptance_rate - timings["draft_n_accepted"] / timings["draft_n"]) <= 0.05
 
 
-def test_distilled_mtp_acceptance_equals_llamacpp(tmp_path):
-    """An MTP layer distilled from its trunk (tiny_hybrid.distill_mtp), converted by llama.cpp:
-    greedy drafting with k = 3 on held-out prompts. Our acceptance rate is within 0.05 of
-    llama-server's on the same file and prompts; it must also be well above chance (see
-    test_hybrid_spec.test_distilled_mtp_layer_drafts_well)."""
-    from test_hybrid_spec import EVAL_PROMPTS, STEPS
-    d, hf = tiny_hybrid.make_tiny_hf(tmp_path / "ckpt", "qwen35", seed=7)
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """A tiny qwen35 whose MTP layer is distilled from its trunk, converted by llama.cpp."""
+    from test_hybrid_spec import STEPS
+    root = tmp_path_factory.mktemp("distilled")
+    d, hf = tiny_hybrid.make_tiny_hf(root / "ckpt", "qwen35", seed=7, **SAME_DIMS)
     tiny_hybrid.distill_mtp(d, hf, steps=STEPS)
-    gguf = tiny_hybrid.llamacpp_convert(SRC, d, tmp_path / "distilled.gguf")
-    k, n = 3, 48
-    mine = SpecStats()
-    theirs = [0, 0]
-    with llama_server(gguf, tmp_path / "server.log", "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k),
+    return tiny_hybrid.llamacpp_convert(SRC, d, root / "distilled.gguf")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_distilled_mtp_acceptance_equals_llamacpp(distilled, k, tmp_path):
+    """The distilled MTP layer (see test_hybrid_spec.test_distilled_mtp_layer_drafts_well), greedy
+    drafting on held-out prompts: our acceptance rate is within 0.05 of llama-server's on the same
+    file and prompts (both draft the layer's argmax; they can differ only where its top two
+    logits nearly tie, or llama.cpp's last draft is cut to the tokens left)."""
+    from test_hybrid_spec import EVAL_PROMPTS
+    n = 48
+    mine, theirs = SpecStats(), [0, 0]
+    with llama_server(distilled, tmp_path / "server.log", "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k),
                       "--spec-draft-type-k", "f32", "--spec-draft-type-v", "f32") as url:
         for ids in EVAL_PROMPTS:
-            toks, _, st = ours(gguf, ids, n, k)
+            toks, margins, st = ours(distilled, ids, n, k)
             mine.merge(st)
             their_toks, timings = llama_complete(url, ids, n)
+            assert _compare(toks, margins, their_toks) >= n // 2
             theirs[0] += timings.get("draft_n", 0)
             theirs[1] += timings.get("draft_n_accepted", 0)
-    assert theirs[0] > 0
+    assert theirs[0] > 0 and mine.num_draft_tokens > 0
     rate = theirs[1] / theirs[0]
-    assert mine.acceptance_rate > 0.5
+    assert mine.acceptance_rate > 0.1, mine.acceptance_rate  # the layer drafts well here too
     assert abs(mine.acceptance_rate - rate) <= 0.05, (mine.acceptance_rate, rate, mine.num_draft_tokens, theirs)
