@@ -202,5 +202,7 @@ def test_distilled_mtp_acceptance_equals_llamacpp(distilled, k, tmp_path):
             theirs[1] += timings.get("draft_n_accepted", 0)
     assert theirs[0] > 0 and mine.num_draft_tokens > 0
     rate = theirs[1] / theirs[0]
-    assert mine.acceptance_rate > 0.1, mine.acceptance_rate  # the layer drafts well here too
+    # the layer drafts well here too: the bar of test_hybrid_spec on the first draft position (the
+    # one it is trained for; later positions feed its own output back and are accepted less)
+    assert mine.per_position_acceptance[0] > 0.15, mine
     assert abs(mine.acceptance_rate - rate) <= 0.05, (mine.acceptance_rate, rate, mine.num_draft_tokens, theirs)

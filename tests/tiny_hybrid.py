@@ -201,6 +201,13 @@ class ReferenceMTP(torch.nn.Module):
                     p.zero_()  # neutral (1 + w with w = 0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if "gate" in name else 0.08))
+            # start as a pass-through of the token's embedding (what the trunk says after that token
+            # alone, a bigram guess): training refines it in a few hundred steps
+            D = cfg.hidden_size
+            self.fc.weight.copy_(torch.cat([torch.eye(D), torch.randn(D, D, generator=gen) * 0.02], 1))
+            for name, p in self.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj")) or name.endswith("down_proj.weight"):
+                    p.mul_(0.1)
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """emb = embed(t_{i+1}), hidden = h_i, both [B, T, D] -> logits for t_{i+2} [B, T, V]."""
@@ -234,47 +241,50 @@ class ReferenceMTP(torch.nn.Module):
         return out
 
 
-def greedy_continuations(model, prompts: torch.Tensor, n: int) -> torch.Tensor:
-    """prompts [B, P] continued greedily by n tokens (no cache, end of text ignored) -> [B, P + n]."""
-    seqs = prompts
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = model(seqs, use_cache=False).logits[:, -1].argmax(-1)
-            seqs = torch.cat([seqs, nxt[:, None]], 1)
-    return seqs
+def greedy_continuations(d: str | Path, prompts: list[list[int]], n: int) -> torch.Tensor:
+    """The checkpoint at `d` continues each prompt greedily by n tokens (end of text ignored), run by
+    this engine (its logits match transformers' within 1e-4; transformers' own recurrent kernels
+    on CPU are its slow reference ones) -> [B, P + n] token ids (prompts of one length)."""
+    from mtpllm.runtime.engine import Engine
+    from mtpllm.runtime.sampling import SamplingParams
+    eng = Engine.load(str(d), n_ctx=len(prompts[0]) + n + 1)
+    outs = eng.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return torch.tensor([p + c.tokens for p, c in zip(prompts, outs)])
 
 
-def distill_mtp(d: str | Path, model, steps: int = 300, n_seq: int = 32, prompt_len: int = 6, gen_len: int = 42,
+def distill_mtp(d: str | Path, model, steps: int = 300, n_seq: int = 32, prompt_len: int = 6, gen_len: int = 48,
                 seed: int = 0, lr: float = 3e-3) -> float:
     """Train an MTP layer (`ReferenceMTP`) for `steps` Adam steps on the trunk's own greedy
-    continuations of `n_seq` random prompts, the target at each entry being the trunk's distribution
-    of the token after next (soft-label distillation: KL(trunk || layer)), and write it into the
-    checkpoint at `d` (replacing any `mtp.*`). Returns the last step's loss."""
+    continuations of `n_seq` random prompts: at each entry (t_{i+1}, h_i) of a continuation the
+    target is the token the trunk chose after t_{i+1} (cross-entropy; the trunk's distributions
+    themselves are too flat in these tiny random models to teach an argmax), and write it into the
+    checkpoint at `d` (replacing any `mtp.*`). `model`: the checkpoint as a transformers model
+    (trunk hidden states and lm_head). Returns the last step's loss."""
     from safetensors.torch import load_file, save_file
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    prompts = torch.randint(0, 256, (n_seq, prompt_len), generator=gen)  # byte tokens
-    seqs = greedy_continuations(model, prompts, gen_len)
+    prompts = torch.randint(0, 256, (n_seq, prompt_len), generator=gen).tolist()  # byte tokens
+    seqs = greedy_continuations(d, prompts, gen_len)
     with torch.no_grad():
         h = model.model(seqs, use_cache=False).last_hidden_state  # after the final norm
-        teacher = torch.log_softmax(model.lm_head(h[:, 1:]), -1)  # position i+1 predicts t_{i+2}
         emb = model.model.embed_tokens(seqs[:, 1:])  # t_{i+1}
+    target = seqs[:, 2:].clone()  # t_{i+2}, for entries i = 0 .. T-3
+    target[:, :prompt_len - 2] = -100  # random prompt tokens are not the trunk's choice
     mtp = ReferenceMTP(model, gen)
     for p in model.parameters():
         p.requires_grad_(False)
     opt = torch.optim.Adam(mtp.parameters(), lr=lr)
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        student = torch.log_softmax(mtp(emb, h[:, :-1]), -1)
-        loss = torch.nn.functional.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
-                                          reduction="batchmean")
+        logits = mtp(emb[:, :-1], h[:, :-2])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         opt.step()
     path = Path(d) / "model.safetensors"
     state = {k: v for k, v in load_file(str(path)).items() if not k.startswith("mtp.")}
     save_file(state | mtp.state(), str(path), metadata={"format": "pt"})
-    return float(loss)
+    return float(loss.detach())
 
 
 def llamacpp_convert(root: str | Path, src: str | Path, out: str | Path) -> Path:
