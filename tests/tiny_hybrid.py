@@ -167,3 +167,137 @@ def hf_to_gguf(src, out, qtype=None) -> Path:
             q = qtype
         tensors[name] = (quantize(np.ascontiguousarray(t), q), q)
     return write_gguf(out, arch, meta, tensors)
+
+
+# ---------------------------------------------------------------- an MTP layer distilled from its trunk
+class ReferenceMTP(torch.nn.Module):
+    """The MTP layer of the released checkpoints, built from transformers' own modules (transformers
+    does not run `mtp.*`; this is the layer as vLLM's Qwen3.5 / Qwen3-Next MTP module computes it):
+
+        x = fc(cat([pre_fc_norm_embedding(embed(t_{i+1})), pre_fc_norm_hidden(h_i)]))   # embedding first
+        x = one full-attention decoder layer of the model's own class (causal over the entries)
+        g = norm(x);  logits for t_{i+2} = the trunk's lm_head(g)
+
+    h_i is the trunk's last hidden state (after its final norm). The norms are the model's zero-centred
+    RMSNorm class. `state()` gives the tensors under the checkpoint's `mtp.*` names."""
+
+    def __init__(self, model: torch.nn.Module, gen: torch.Generator):
+        import copy
+        import importlib
+        super().__init__()
+        cfg = copy.deepcopy(model.config)
+        cfg.layer_types, cfg.num_hidden_layers, cfg.mlp_only_layers = ["full_attention"], 1, []
+        mod = importlib.import_module(type(model).__module__)
+        prefix = type(model).__name__[:-len("ForCausalLM")]  # Qwen3_5, Qwen3_5Moe, Qwen3Next
+        Norm, Layer = getattr(mod, prefix + "RMSNorm"), getattr(mod, prefix + "DecoderLayer")
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = Norm(D, eps), Norm(D, eps), Norm(D, eps)
+        self.fc = torch.nn.Linear(2 * D, D, bias=False)
+        self.layers = torch.nn.ModuleList([Layer(cfg, 0)])
+        self.trunk = [model]  # a list: not a submodule, so neither trained nor in the state
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.zero_()  # neutral (1 + w with w = 0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if "gate" in name else 0.08))
+            # start as a pass-through of the token's embedding (what the trunk says after that token
+            # alone, a bigram guess): training refines it in a few hundred steps
+            D = cfg.hidden_size
+            self.fc.weight.copy_(torch.cat([torch.eye(D), torch.randn(D, D, generator=gen) * 0.02], 1))
+            for name, p in self.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj")) or name.endswith("down_proj.weight"):
+                    p.mul_(0.1)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """emb = embed(t_{i+1}), hidden = h_i, both [B, T, D] -> logits for t_{i+2} [B, T, V]."""
+        trunk = self.trunk[0]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], -1))
+        B, T, _ = x.shape
+        pos = torch.arange(T)[None].expand(B, T)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        out = self.layers[0](x, position_embeddings=trunk.model.rotary_emb(x, pos), attention_mask=mask,
+                             position_ids=pos)
+        out = out[0] if isinstance(out, tuple) else out
+        return trunk.lm_head(self.norm(out))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The layer under the checkpoint's names; fused experts ([E, 2F, D] gate+up, [E, D, F] down,
+        as transformers keeps them) split into the checkpoint's per-expert matrices."""
+        out = {}
+        for name, t in self.state_dict().items():
+            t = t.detach().contiguous()
+            if name.endswith("mlp.experts.gate_up_proj"):
+                base, F = "mtp." + name[:-len("gate_up_proj")], t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{base}{e}.gate_proj.weight"] = t[e, :F].contiguous()
+                    out[f"{base}{e}.up_proj.weight"] = t[e, F:].contiguous()
+            elif name.endswith("mlp.experts.down_proj"):
+                base = "mtp." + name[:-len("down_proj")]
+                for e in range(t.shape[0]):
+                    out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                out["mtp." + name] = t
+        return out
+
+
+def greedy_continuations(d: str | Path, prompts: list[list[int]], n: int) -> torch.Tensor:
+    """The checkpoint at `d` continues each prompt greedily by n tokens (end of text ignored), run by
+    this engine (its logits match transformers' within 1e-4; transformers' own recurrent kernels
+    on CPU are its slow reference ones) -> [B, P + n] token ids (prompts of one length)."""
+    from mtpllm.runtime.engine import Engine
+    from mtpllm.runtime.sampling import SamplingParams
+    eng = Engine.load(str(d), n_ctx=len(prompts[0]) + n + 1)
+    outs = eng.generate_batch(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return torch.tensor([p + c.tokens for p, c in zip(prompts, outs)])
+
+
+def distill_mtp(d: str | Path, model, steps: int = 300, n_seq: int = 32, prompt_len: int = 6, gen_len: int = 48,
+                seed: int = 0, lr: float = 3e-3) -> float:
+    """Train an MTP layer (`ReferenceMTP`) for `steps` Adam steps on the trunk's own greedy
+    continuations of `n_seq` random prompts: at each entry (t_{i+1}, h_i) of a continuation the
+    target is the token the trunk chose after t_{i+1} (cross-entropy; the trunk's distributions
+    themselves are too flat in these tiny random models to teach an argmax), and write it into the
+    checkpoint at `d` (replacing any `mtp.*`). `model`: the checkpoint as a transformers model
+    (trunk hidden states and lm_head). Returns the last step's loss."""
+    from safetensors.torch import load_file, save_file
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    prompts = torch.randint(0, 256, (n_seq, prompt_len), generator=gen).tolist()  # byte tokens
+    seqs = greedy_continuations(d, prompts, gen_len)
+    with torch.no_grad():
+        h = model.model(seqs, use_cache=False).last_hidden_state  # after the final norm
+        emb = model.model.embed_tokens(seqs[:, 1:])  # t_{i+1}
+    target = seqs[:, 2:].clone()  # t_{i+2}, for entries i = 0 .. T-3
+    target[:, :prompt_len - 2] = -100  # random prompt tokens are not the trunk's choice
+    mtp = ReferenceMTP(model, gen)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(mtp.parameters(), lr=lr)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        logits = mtp(emb[:, :-1], h[:, :-2])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = Path(d) / "model.safetensors"
+    state = {k: v for k, v in load_file(str(path)).items() if not k.startswith("mtp.")}
+    save_file(state | mtp.state(), str(path), metadata={"format": "pt"})
+    return float(loss.detach())
+
+
+def llamacpp_convert(root: str | Path, src: str | Path, out: str | Path) -> Path:
+    """Convert the checkpoint at `src` with llama.cpp's own converter (`root`: the llama.cpp source
+    tree with convert_hf_to_gguf.py), float32. The tiny tokenizer is not in the converter's list of
+    known pre-tokenizers: it is named qwen2's. Raises AssertionError with the converter's output on failure."""
+    import subprocess
+    import sys
+    script = ("import sys, runpy; root = sys.argv[1]; sys.path[:0] = [root, root + '/gguf-py'];"
+              "from conversion import base; base.TextModel.get_vocab_base_pre = lambda self, tok: 'qwen2';"
+              "sys.argv = [root + '/convert_hf_to_gguf.py'] + sys.argv[2:];"
+              "runpy.run_path(root + '/convert_hf_to_gguf.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", script, str(root), str(src), "--outfile", str(out), "--outtype", "f32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return Path(out)

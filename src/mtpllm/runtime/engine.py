@@ -26,6 +26,7 @@ from ..models.hf import open_model_file
 from ..models.base import Transformer, load_model
 from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
+from .prefix import PrefixSnapshot, untrimmable_parts
 from .sampling import SamplingParams, make_sampler
 from .sequence import OutputText, PlainDecoder, Response, Sequence, Slot, Timings, common_prefix, run_steps
 
@@ -170,14 +171,21 @@ class Engine:
         if max_reuse is not None:
             common = min(common, max_reuse)
         if cache.length - common > cache.max_trim():  # e.g. recurrent state: no way back that far
-            common = 0
-            cache.reset()
+            snap = slot.prefix  # ... but perhaps a copy of it at the end of an earlier prompt
+            if snap is not None and snap.usable(cache, prompt, common):
+                common = snap.restore(cache)
+            else:
+                common = 0
+                cache.reset()
         cache.trim(cache.length - common)
         slot.tokens = list(prompt[:common])
         seq.cached_n = common
+        keep = untrimmable_parts(cache)  # recurrent state: keep a copy before the prompt's last token
         parts = []
         for a, b in chunk_bounds(common, len(prompt), self.prefill_chunk):
             yield b - a
+            if keep and a == len(prompt) - 1 and (slot.prefix is None or slot.prefix.tokens != prompt[:-1]):
+                slot.prefix = PrefixSnapshot(cache, prompt[:-1])  # for a later request to restart from
             parts.append(self.model(torch.tensor(prompt[a:b], dtype=torch.long, device=self.device), cache))
             slot.tokens = list(prompt[:b])  # the cache holds these now (a prefill stopped here leaves them reusable)
         hidden = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -101,6 +101,7 @@ class Slot:
         self.index = index
         self.tokens: list[int] = []  # tokens whose states are in `cache`, in order
         self.drafts: dict = {}  # proposer -> its per-sequence draft state on this slot
+        self.prefix = None  # a PrefixSnapshot (runtime/prefix.py) of a cache that cannot trim far back
 
     def draft_state(self, proposer):
         if proposer not in self.drafts:
@@ -111,6 +112,7 @@ class Slot:
         """Forget the cached prefix (target and drafts): the next request evaluates its whole prompt."""
         self.cache.reset()
         self.tokens = []
+        self.prefix = None
         for st in self.drafts.values():
             if hasattr(st, "reset"):
                 st.reset()
