@@ -34,11 +34,13 @@ def _plain(engine, params, prompt=PROMPT):
     return engine.generate(prompt, SamplingParams(**params), chat=False)
 
 
+@pytest.mark.parametrize("policy", ["fixed", "cost"])
 @pytest.mark.parametrize("k", range(1, 7))
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
-def test_greedy_identity(target, draft_path, method, k):
+def test_greedy_identity(target, draft_path, method, k, policy):
     ref = _plain(target, GREEDY)
-    cfg = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft_path if method == "draft_model" else None)
+    cfg = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft_path if method == "draft_model" else None,
+                     policy=policy)
     spec = cfg.build(target)
     out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     assert out.tokens == ref.tokens
@@ -64,8 +66,9 @@ def test_mtp_head_with_matching_weights_is_accepted(tiny_dir):
     s = out.stats
     assert s.num_draft_tokens >= s.num_accepted_tokens >= 0
     assert sum(s.drafted_per_pos) == s.num_draft_tokens and sum(s.accepted_per_pos) == s.num_accepted_tokens
-    # every verification step emits accepted + 1 tokens (the last may be cut by max_tokens)
-    assert len(out.tokens) <= s.num_accepted_tokens + s.num_drafts + 1 + 1
+    # every target step emits accepted + 1 tokens (the last may be cut by max_tokens)
+    assert len(out.tokens) <= s.num_accepted_tokens + s.num_steps + 1
+    assert sum(s.k_hist) == s.num_steps and sum(s.k_hist[1:]) == s.num_drafts
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
@@ -107,12 +110,15 @@ def test_context_limit_with_speculation(target):
 
 
 # ------------------------------------------------------------------ distribution
-def _first_tokens(engine, spec_cfg, params, n, seed0):
+def _first_tokens(engine, spec_cfg, params, n, seed0, stats=None):
     out = []
     spec = spec_cfg.build(engine) if spec_cfg else None
     for s in range(n):
         p = SamplingParams(**dict(params, seed=seed0 + s))
-        out.append(tuple(engine.generate(prompt_ids=[5, 6, 7], params=p, speculative=spec).tokens[:3]))
+        c = engine.generate(prompt_ids=[5, 6, 7], params=p, speculative=spec)
+        out.append(tuple(c.tokens[:3]))
+        if stats is not None:
+            stats.merge(c.stats)
     return out
 
 
@@ -157,13 +163,26 @@ def plain_samples(peaky):
             for key, extra in (("t1", {}), ("top_p", {"top_p": 0.8}))}
 
 
-@pytest.mark.parametrize("key,extra", [("t1", {}), ("top_p", {"top_p": 0.8})])
-def test_sampling_distribution_preserved(peaky, flat_draft, plain_samples, key, extra):
+@pytest.mark.parametrize("key,extra,policy", [("t1", {}, "fixed"), ("top_p", {"top_p": 0.8}, "fixed"),
+                                               ("t1", {}, "cost")])
+def test_sampling_distribution_preserved(peaky, flat_draft, plain_samples, key, extra, policy):
     """Empirical distribution of tokens 1..3 with draft-model speculation (k=3) equals plain sampling.
+    With the cost policy, costs are set so that drafts are cheap: how many drafts a step verifies
+    then depends on the draft's own confidence (a mix of 0..3), which must not bias the output.
 
     Power against a wrong residual step is shown directly on the acceptance rule in
     `test_acceptance_rule_emits_target_distribution`."""
-    spec = _first_tokens(peaky, SpecConfig("draft_model", 3, draft_model=flat_draft), dict(SAMPLED, **extra), N, 10**6)
+    from mtpllm.speculative.policy import set_step_costs
+    if policy == "cost":
+        set_step_costs(peaky, [1.0, 1.05, 1.1, 1.15], 0.01)
+    total = V.SpecStats()
+    try:
+        spec = _first_tokens(peaky, SpecConfig("draft_model", 3, draft_model=flat_draft, policy=policy),
+                             dict(SAMPLED, **extra), N, 10**6, total)
+    finally:
+        set_step_costs(peaky, None)
+    if policy == "cost":  # steps verified different numbers of drafts, 0 among them
+        assert total.k_hist[0] > 0 and sum(1 for n in total.k_hist[1:] if n > N // 50) >= 2
     for pos in range(3):
         assert _chi2_pvalue(plain_samples[key], spec, pos) > 1e-3
 
