@@ -264,3 +264,19 @@ def test_bench_spec_names_a_policy():
     assert split_policy("draft:~/m.gguf:2") == ("draft:~/m.gguf:2", None)  # a '~' of a path is no policy
     with pytest.raises(MtpllmError, match="needs a method"):
         parse_spec("none~fixed")
+
+
+def test_serve_speculates_by_default_where_the_model_has_a_head(target, tiny_models, tmp_path):
+    import httpx
+    from server_proc import ServerProcess
+    for model, extra, want in [(target.model.source, (), "mtp:3"), (target.model.source, ("--spec-type", "none"), None),
+                               (tiny_models["qwen2"], (), None)]:
+        s = ServerProcess(model, *extra, log_dir=tmp_path)
+        try:
+            assert httpx.get(s.url + "/props", timeout=30).json()["speculative"] == want
+            if want:
+                r = httpx.post(s.url + "/completion", json={"prompt": "the cat", "n_predict": 16, "temperature": 0},
+                               timeout=60).json()
+                assert r["timings"]["predicted_n"] == 16
+        finally:
+            s.stop()

@@ -452,7 +452,8 @@ def test_phone_width(browser, server, shots, scheme):
 
 
 def test_api_key_flow(browser, chat_model, tmp_path_factory):
-    s = ServerProcess(["-m", str(chat_model), "-c", "512", "-t", "1", "--api-key", KEY],
+    # the model has an MTP layer: speculation, on by default, is turned off here
+    s = ServerProcess(["-m", str(chat_model), "-c", "512", "-t", "1", "--api-key", KEY, "--spec-type", "none"],
                       tmp_path_factory.mktemp("keysrv") / "server.log")
     try:
         # the browser logs each refused request (401) as a failed resource load
