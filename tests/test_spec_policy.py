@@ -94,6 +94,21 @@ def test_partly_good_drafts_stop_where_they_stop_paying():
     assert chosen[-100:].count(1) >= 95
 
 
+def test_no_drafts_where_rows_cost_a_step_each():
+    """Where a verification row costs as much as a step, not even drafts that are always accepted
+    pay: no step drafts, not even a probe."""
+    st = PolicyState()
+    assert _run(st, Costs([1.0, 2.0, 3.0, 4.0], 0.1), 3, 100, lambda t, n: n) == [0] * 100
+
+
+def test_accepted_probes_that_do_not_pay_stay_rare():
+    """Drafts accepted two times in five where a row costs 0.6 of a step ((1 + .4) / 1.7 < 1): the
+    policy stays plain, and probes get rarer although some of them are accepted."""
+    st = PolicyState()
+    chosen = _run(st, Costs([1.0, 1.6, 2.2, 2.8], 0.1), 3, 1000, lambda t, n: min(n, 1) if t % 5 < 2 else 0)
+    assert sum(1 for n in chosen[200:] if n) <= 800 // PROBE_MAX * 2
+
+
 def test_depth_bands():
     assert [depth_band(d) for d in (0, 511, 512, 1023, 1024, 8192, 32768)] == [0, 0, 1, 1, 2, 5, 7]
 

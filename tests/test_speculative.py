@@ -38,11 +38,21 @@ def _plain(engine, params, prompt=PROMPT):
 @pytest.mark.parametrize("k", range(1, 7))
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
 def test_greedy_identity(target, draft_path, method, k, policy):
+    """Every method and k, with a fixed draft length and with the cost policy. On a tiny model the
+    measured costs make drafts never pay (the cost policy's own tests cover that), so the cost policy
+    gets free verification rows and drafting here: it verifies all its drafts, through its own path."""
+    from mtpllm.speculative.policy import set_step_costs
     ref = _plain(target, GREEDY)
     cfg = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft_path if method == "draft_model" else None,
                      policy=policy)
     spec = cfg.build(target)
-    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    set_step_costs(target, [1.0] * (k + 1) if policy == "cost" else None, 0.0)
+    try:
+        out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    finally:
+        set_step_costs(target, None)
+    if policy == "cost":
+        assert len(out.stats.k_hist) == k + 1 and out.stats.k_hist[k] > 0
     assert out.tokens == ref.tokens
     assert out.finish_reason == ref.finish_reason
     assert out.stats.num_drafts > 0
@@ -227,12 +237,18 @@ def _consistent_stats(st, k: int, n_tokens: int) -> None:
     assert n_tokens <= 1 + st.num_steps + st.num_accepted_tokens
 
 
-def test_sampling_with_mtp_is_seeded_and_reports(peaky, tiny_mtp):
+@pytest.mark.parametrize("costs", [None, [1.0, 1.0, 1.0, 1.0]])
+def test_sampling_with_mtp_is_seeded_and_reports(peaky, tiny_mtp, costs):
+    """Measured costs (timed once for the model, then reused) or given ones (free rows: every step
+    drafts): the same seed gives the same sample."""
+    from mtpllm.speculative.policy import set_step_costs
     e = Engine.load(str(tiny_mtp), n_ctx=64)
+    set_step_costs(e, costs, 0.0)
     params = SamplingParams(**dict(SAMPLED, max_tokens=20, seed=1))
     out = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
     assert len(out.tokens) == 20
-    _consistent_stats(out.stats, 3, len(out.tokens))
+    if costs:
+        _consistent_stats(out.stats, 3, len(out.tokens))
     again = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
     assert again.tokens == out.tokens  # the same seed gives the same sample
 
@@ -489,7 +505,7 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     # lossless, through the head file's own reduced vocabulary (half the tokens)
     half = make_tiny_head(tiny_dir / "mtp-half.gguf", "qwen2", n_layers=2, seed=9, draft_vocab=range(0, V_, 2))
     ref = _plain(target, GREEDY)
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half)).build(target)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half), policy="fixed").build(target)
     out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     assert out.tokens == ref.tokens and out.stats.num_drafts > 0
     ctx = target.slot.draft_state(spec.proposer).ctx_tokens

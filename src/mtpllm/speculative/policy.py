@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GAMMA = 0.95  # discount of a position's older observations per new one (~20 of memory)
+GAMMA = 0.9  # discount of a position's older observations per new one (~10 of memory)
 PRIOR = 0.6  # acceptance assumed before any verification, weight PRIOR_N observations
 PRIOR_N = 2.0
 CALIB_N = 2.0  # observations' worth of trust in the head's own confidence (a calibration of 1)
@@ -186,6 +186,7 @@ class PolicyState:
     idle: int = 0  # plain steps since the last verified draft
     wait: int = PROBE_MIN  # plain steps before the next probe
     probing: bool = False
+    probe_ok: bool = False  # the last probe's draft was accepted
     confs: list[float] = field(default_factory=list)  # confidences of this step's kept drafts
 
     def _grow(self, n: int) -> None:
@@ -228,8 +229,11 @@ class PolicyState:
             self.confidence[i] += confs[i]
             if i < n_accepted:
                 self.accepted[i] += 1.0
-        if self.probing:
-            self.wait = PROBE_MIN if n_accepted else min(2 * self.wait, PROBE_MAX)
+        if self.probing:  # a rejected probe: probe half as often; an accepted one: see `limit`
+            if n_accepted:
+                self.probe_ok = True
+            else:
+                self.wait = min(2 * self.wait, PROBE_MAX)
         self.probing = False
         self.idle = 0
 
@@ -241,12 +245,17 @@ class CostPolicy:
     @staticmethod
     def limit(st: PolicyState, costs: Costs, k_max: int) -> int:
         k_max = min(k_max, len(costs.rows) - 1)
-        if k_max <= 0:
-            return 0
+        if k_max <= 0 or best_k([1.0] * k_max, costs.rows, costs.draft) == 0:
+            return 0  # rows so dear that even drafts sure to be accepted would not pay
         # after `wait` plain steps the first draft is verified whatever its confidence says: the
         # record only learns from verified drafts
         st.probing = st.idle >= st.wait
-        if best_k(st.acceptance(k_max), costs.rows, costs.draft) > 0:
+        gate = best_k(st.acceptance(k_max), costs.rows, costs.draft) > 0
+        if st.probe_ok:  # the last probe was accepted: probe often again only if drafting now pays
+            st.probe_ok = False
+            if gate:
+                st.wait = PROBE_MIN
+        if gate:
             return k_max
         return 1 if st.probing else 0  # the record says plain: one draft now and then
 
