@@ -20,7 +20,8 @@ The three inputs:
 - this request's acceptance: per position, the (discounted) share of verified drafts accepted.
   Before drafting, when even the best k on that record does not beat a plain step, the step is
   plain and nothing is drafted. A single-draft probe every few plain steps (4, doubling up to 64
-  while probes fail) notices when the drafts become good again.
+  while probes fail or do not pay) notices when the drafts become good again. Where even drafts
+  sure to be accepted would not pay for their rows, nothing is drafted at all.
 
 Losslessness does not depend on any of this: which drafts are verified is decided from the drafts
 and past steps only, never from the target's distribution at the verified positions.
