@@ -62,7 +62,7 @@ def test_greedy_identity_head_only_file(target, tiny_dir):
     head = make_tiny_head(tiny_dir / "mtp-tgt.gguf", "qwen2", n_layers=2, seed=9)
     ref = _plain(target, GREEDY)
     for k in (1, 3, 6):
-        spec = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_head=str(head)).build(target)
+        spec = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_head=str(head), policy="fixed").build(target)
         assert target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec).tokens == ref.tokens
 
 
@@ -71,7 +71,7 @@ def test_mtp_head_with_matching_weights_is_accepted(tiny_dir):
     block of its own gets non-zero acceptance on repetitive text only by chance. Check instead
     that greedy acceptance statistics are consistent."""
     e = Engine.load(str(make_tiny(tiny_dir / "t2.gguf", "qwen2", seed=11, nextn=1)), n_ctx=256)
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3).build(e)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, policy="fixed").build(e)
     out = e.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     s = out.stats
     assert s.num_draft_tokens >= s.num_accepted_tokens >= 0
@@ -86,7 +86,8 @@ def test_stop_strings_and_max_tokens_inside_blocks(target, draft_path, method):
     ref_full = _plain(target, GREEDY)
     text = target.tokenizer.decode(ref_full.tokens)
     stop = text[len(text) // 2: len(text) // 2 + 3]
-    cfg = SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft_path if method == "draft_model" else None)
+    cfg = SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft_path if method == "draft_model" else None,
+                     policy="fixed")  # every step drafts: blocks of 5 tokens to cut
     for params in (dict(GREEDY, stop=[stop]), dict(GREEDY, max_tokens=7), dict(GREEDY, max_tokens=1)):
         ref = _plain(target, params)
         out = target.generate(PROMPT, SamplingParams(**params), chat=False, speculative=cfg.build(target))
@@ -103,7 +104,7 @@ def test_eos_inside_block(target):
         params = dict(GREEDY, ignore_eos=False)
         plain = _plain(target, params)
         for k in (2, 4, 6):
-            spec = SpecConfig(method="mtp", num_speculative_tokens=k).build(target)
+            spec = SpecConfig(method="mtp", num_speculative_tokens=k, policy="fixed").build(target)
             out = target.generate(PROMPT, SamplingParams(**params), chat=False, speculative=spec)
             assert out.tokens == plain.tokens and out.finish_reason == "stop"
         assert len(plain.tokens) == ref.tokens.index(ref.tokens[4])
@@ -115,7 +116,7 @@ def test_context_limit_with_speculation(target):
     e = Engine.load(str(target.model.source), n_ctx=40)
     p = SamplingParams(**dict(GREEDY, max_tokens=100))
     ref = e.generate("the cat the cat", p, chat=False)
-    out = e.generate("the cat the cat", p, chat=False, speculative=SpecConfig("mtp", 4).build(e))
+    out = e.generate("the cat the cat", p, chat=False, speculative=SpecConfig("mtp", 4, policy="fixed").build(e))
     assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason == "context"
 
 
