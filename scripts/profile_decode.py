@@ -28,7 +28,7 @@ def main():
     spec = None
     if a.spec:
         method, k = a.spec.split(":")
-        spec = SpecConfig(method, int(k)).build(eng)
+        spec = SpecConfig(method, int(k), policy="fixed").build(eng)
     ids = eng.encode_prompt("Write a Python function that parses an ISO 8601 date string.", chat=True)
     params = SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True)
     eng.generate(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=4), speculative=spec)  # warm-up

@@ -35,7 +35,7 @@ def main():
     a = ap.parse_args()
     eng = Engine.load(a.model, n_ctx=1024, threads=a.threads)
     method, k = a.spec.split(":")
-    spec = SpecConfig(method, int(k)).build(eng)
+    spec = SpecConfig(method, int(k), policy="fixed").build(eng)
     ids = eng.encode_prompt("Write a Python function that parses an ISO 8601 date string and returns a datetime, "
                             "with tests.", chat=True)
     p = SamplingParams(temperature=0, max_tokens=a.n, ignore_eos=True)

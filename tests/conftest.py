@@ -7,6 +7,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# kernel choices timed at load go to a file of this run, not the user's cache
+if "MTPLLM_TUNING_CACHE" not in os.environ:
+    import tempfile
+    os.environ["MTPLLM_TUNING_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="mtpllm-tuning-"), "tuning.json")
 
 from tiny import make_tiny, make_tiny_head  # noqa: E402
 

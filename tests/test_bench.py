@@ -27,7 +27,8 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
     png = tmp_path / "bench.png"
     saved = tmp_path / "bench.json"
     rc = main(["bench", "-m", str(bench_model), "-p", "16", "-n", "4", "-d", "0,8", "-r", "2", "--warmup", "0",
-               "--spec", "none,mtp:1,mtp:2,ngram:2,ngram:3+mtp:1", "-o", "json", "--save", str(saved), "--plot", str(png)])
+               "--spec", "none,mtp:1~fixed,mtp:2~fixed,ngram:2,ngram:3+mtp:1", "-o", "json", "--save", str(saved),
+               "--plot", str(png)])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     _validate(rep)
@@ -35,7 +36,7 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = rep["rows"]
     assert len(rows) == 2 * 5  # depths x spec methods
-    assert [r["spec"] for r in rows[:5]] == ["none", "mtp:1", "mtp:2", "ngram:2", "ngram:3+mtp:1"]
+    assert [r["spec"] for r in rows[:5]] == ["none", "mtp:1~fixed", "mtp:2~fixed", "ngram:2", "ngram:3+mtp:1"]
     c = rep["conditions"]
     assert c["models"][0]["path"] == str(bench_model) and len(c["models"][0]["sha256"]) == 64
     assert c["sampling"] == "greedy" and c["torch"] and c["cpu"]
@@ -51,6 +52,9 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
             # MTP drafts every step; n-gram lookup drafts only where the text repeats
             n_pos = len(r["per_position_acceptance"])
             assert 0 <= r["acceptance_rate"] <= 1 and (n_pos == r["k"] if r["spec"].startswith("mtp") else n_pos <= r["k"])
+            # steps by drafts verified: a fixed k verifies k drafts on every step
+            h = r["draft_length_histogram"]
+            assert sum(h) > 0 and (h[1:] == [0] * (r["k"] - 1) + [sum(h)] if r["spec"].startswith("mtp") else True)
             assert 1 <= r["mean_acceptance_length"] <= 1 + r["k"]
     # with llama.cpp's rows of the same run, every row shows its decode speed over llama.cpp's
     from mtpllm.bench.report import to_markdown

@@ -250,7 +250,7 @@ def test_mtp_with_the_models_own_layer_is_greedy_identical(hybrid, kind, source)
     ids = eng.encode_prompt("the fox = the fox", chat=False)
     ref = eng.generate(prompt_ids=ids, params=p).tokens
     for k in range(1, 7):
-        spec = SpecConfig("mtp", k).build(eng)
+        spec = SpecConfig("mtp", k, policy="fixed").build(eng)  # every step drafts k
         assert type(spec.proposer.head.block.mixer).__name__ == "GatedAttention"
         out = eng.generate(prompt_ids=ids, params=p, speculative=spec)
         assert out.tokens == ref, k
@@ -267,8 +267,9 @@ def test_mtp_layer_from_a_separate_checkpoint(hybrid):
     eng = _engine(gguf, GGUFFile(gguf).metadata, "qwen35")
     p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ids = eng.encode_prompt("the fox", chat=False)
-    a = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3).build(eng))
-    b = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3, mtp_head=str(d)).build(eng))
+    a = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3, policy="fixed").build(eng))
+    b = eng.generate(prompt_ids=ids, params=p,
+                     speculative=SpecConfig("mtp", 3, mtp_head=str(d), policy="fixed").build(eng))
     assert a.tokens == b.tokens and a.stats.accepted_per_pos == b.stats.accepted_per_pos
 
 

@@ -64,18 +64,26 @@ def test_forward_batch_rows_equal_rows_alone(eng):
     assert [c.length for c in caches] == [len(t) - 3 + len(r) for t, r in zip(ids, rows)]
 
 
-@pytest.mark.parametrize("method,k", [(None, 0), ("mtp", 3), ("ngram", 2)])
-def test_batched_greedy_equals_solo(eng, method, k):
-    spec = SpecConfig(method, num_speculative_tokens=k).build(eng) if method else None
+@pytest.mark.parametrize("method,k,policy", [(None, 0, None), ("mtp", 3, "fixed"), ("mtp", 3, "cost"),
+                                             ("ngram", 2, None)])
+def test_batched_greedy_equals_solo(eng, method, k, policy):
+    """With the cost policy, verification rows and drafting are made free (the tiny model's measured
+    costs would make it decode plainly): each sequence chooses its own draft lengths in the batch."""
+    from mtpllm.speculative.policy import set_step_costs
+    spec = SpecConfig(method, num_speculative_tokens=k, policy=policy).build(eng) if method else None
+    set_step_costs(eng, [1.0] * (k + 1) if policy == "cost" else None, 0.0)
     ids = [eng.tokenizer.encode(p) for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=12 + 5 * i, ignore_eos=True) for i in range(len(ids))]
-    want = [_solo(eng, i, p, spec) for i, p in zip(ids, params)]
-    eng.reset()
-    sched = Scheduler(eng, spec, n_slots=3)  # fewer slots than requests: some wait and join later
     try:
-        got = _run_all(sched, [sched.submit(i, p) for i, p in zip(ids, params)])
+        want = [_solo(eng, i, p, spec) for i, p in zip(ids, params)]
+        eng.reset()
+        sched = Scheduler(eng, spec, n_slots=3)  # fewer slots than requests: some wait and join later
+        try:
+            got = _run_all(sched, [sched.submit(i, p) for i, p in zip(ids, params)])
+        finally:
+            sched.shutdown(1)
     finally:
-        sched.shutdown(1)
+        set_step_costs(eng, None)
     for i, w in enumerate(want):
         assert got[i][:3] == w, f"request {i}"
     if spec is not None:
@@ -84,7 +92,7 @@ def test_batched_greedy_equals_solo(eng, method, k):
 
 
 def test_batched_sampling_with_seed_equals_solo(eng):
-    spec = SpecConfig("mtp", num_speculative_tokens=2).build(eng)
+    spec = SpecConfig("mtp", num_speculative_tokens=2, policy="fixed").build(eng)
     ids = [eng.tokenizer.encode(p) for p in PROMPTS[:4]]
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=16, ignore_eos=True)
               for i in range(4)]

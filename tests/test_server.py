@@ -30,7 +30,7 @@ def client(engine):
 
 @pytest.fixture(scope="module")
 def spec_client(engine):
-    return TestClient(create_app(Server(engine, "srv.gguf", SpecConfig("mtp", 3))))
+    return TestClient(create_app(Server(engine, "srv.gguf", SpecConfig("mtp", 3, policy="fixed"))))
 
 
 def _events(resp) -> list:

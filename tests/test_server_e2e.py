@@ -34,8 +34,10 @@ def model(tiny_dir):
 
 @pytest.fixture(scope="module")
 def srv(model, serve_process):
+    # every step verifies 2 drafts (a fixed k): the random head's drafts are rejected, which keeps a
+    # 450-token answer slower than the 0.5 s a leaving client waits for it
     return serve_process(model, "--api-key", KEY, "--cors-origin", ORIGIN, "--spec-type", "draft-mtp",
-                         "--spec-draft-n-max", "2", "-ub", str(UBATCH), ctx=CTX)
+                         "--spec-draft-n-max", "2", "--spec-policy", "fixed", "-ub", str(UBATCH), ctx=CTX)
 
 
 @pytest.fixture(scope="module")

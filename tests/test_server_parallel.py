@@ -43,10 +43,10 @@ def _answers(client, n_tokens, seeds=None):
 @pytest.mark.parametrize("seeds", [None, [3, 4, 5, 6]])
 def test_parallel_slots_answer_as_alone(model, seeds):
     alone = Engine.load(model, n_ctx=128)
-    with TestClient(create_app(Server(alone, "par", SpecConfig("mtp", 3)), webui=False, access_log=False)) as c:
+    with TestClient(create_app(Server(alone, "par", SpecConfig("mtp", 3, policy="fixed")), webui=False, access_log=False)) as c:
         want = [_answers_one(c, i, seeds) for i in range(len(PROMPTS))]
     eng = Engine.load(model, n_ctx=128)
-    server = Server(eng, "par", SpecConfig("mtp", 3), parallel=3)
+    server = Server(eng, "par", SpecConfig("mtp", 3, policy="fixed"), parallel=3)
     try:
         with TestClient(create_app(server, webui=False, access_log=False)) as c:
             got = _answers(c, 20, seeds)

@@ -34,13 +34,25 @@ def _plain(engine, params, prompt=PROMPT):
     return engine.generate(prompt, SamplingParams(**params), chat=False)
 
 
+@pytest.mark.parametrize("policy", ["fixed", "cost"])
 @pytest.mark.parametrize("k", range(1, 7))
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
-def test_greedy_identity(target, draft_path, method, k):
+def test_greedy_identity(target, draft_path, method, k, policy):
+    """Every method and k, with a fixed draft length and with the cost policy. On a tiny model the
+    measured costs make drafts never pay (the cost policy's own tests cover that), so the cost policy
+    gets free verification rows and drafting here: it verifies all its drafts, through its own path."""
+    from mtpllm.speculative.policy import set_step_costs
     ref = _plain(target, GREEDY)
-    cfg = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft_path if method == "draft_model" else None)
+    cfg = SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft_path if method == "draft_model" else None,
+                     policy=policy)
     spec = cfg.build(target)
-    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    set_step_costs(target, [1.0] * (k + 1) if policy == "cost" else None, 0.0)
+    try:
+        out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    finally:
+        set_step_costs(target, None)
+    if policy == "cost":
+        assert len(out.stats.k_hist) == k + 1 and out.stats.k_hist[k] > 0
     assert out.tokens == ref.tokens
     assert out.finish_reason == ref.finish_reason
     assert out.stats.num_drafts > 0
@@ -50,7 +62,7 @@ def test_greedy_identity_head_only_file(target, tiny_dir):
     head = make_tiny_head(tiny_dir / "mtp-tgt.gguf", "qwen2", n_layers=2, seed=9)
     ref = _plain(target, GREEDY)
     for k in (1, 3, 6):
-        spec = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_head=str(head)).build(target)
+        spec = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_head=str(head), policy="fixed").build(target)
         assert target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec).tokens == ref.tokens
 
 
@@ -59,13 +71,14 @@ def test_mtp_head_with_matching_weights_is_accepted(tiny_dir):
     block of its own gets non-zero acceptance on repetitive text only by chance. Check instead
     that greedy acceptance statistics are consistent."""
     e = Engine.load(str(make_tiny(tiny_dir / "t2.gguf", "qwen2", seed=11, nextn=1)), n_ctx=256)
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3).build(e)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, policy="fixed").build(e)
     out = e.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     s = out.stats
     assert s.num_draft_tokens >= s.num_accepted_tokens >= 0
     assert sum(s.drafted_per_pos) == s.num_draft_tokens and sum(s.accepted_per_pos) == s.num_accepted_tokens
-    # every verification step emits accepted + 1 tokens (the last may be cut by max_tokens)
-    assert len(out.tokens) <= s.num_accepted_tokens + s.num_drafts + 1 + 1
+    # every target step emits accepted + 1 tokens (the last may be cut by max_tokens)
+    assert len(out.tokens) <= s.num_accepted_tokens + s.num_steps + 1
+    assert sum(s.k_hist) == s.num_steps and sum(s.k_hist[1:]) == s.num_drafts
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
@@ -73,7 +86,8 @@ def test_stop_strings_and_max_tokens_inside_blocks(target, draft_path, method):
     ref_full = _plain(target, GREEDY)
     text = target.tokenizer.decode(ref_full.tokens)
     stop = text[len(text) // 2: len(text) // 2 + 3]
-    cfg = SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft_path if method == "draft_model" else None)
+    cfg = SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft_path if method == "draft_model" else None,
+                     policy="fixed")  # every step drafts: blocks of 5 tokens to cut
     for params in (dict(GREEDY, stop=[stop]), dict(GREEDY, max_tokens=7), dict(GREEDY, max_tokens=1)):
         ref = _plain(target, params)
         out = target.generate(PROMPT, SamplingParams(**params), chat=False, speculative=cfg.build(target))
@@ -90,7 +104,7 @@ def test_eos_inside_block(target):
         params = dict(GREEDY, ignore_eos=False)
         plain = _plain(target, params)
         for k in (2, 4, 6):
-            spec = SpecConfig(method="mtp", num_speculative_tokens=k).build(target)
+            spec = SpecConfig(method="mtp", num_speculative_tokens=k, policy="fixed").build(target)
             out = target.generate(PROMPT, SamplingParams(**params), chat=False, speculative=spec)
             assert out.tokens == plain.tokens and out.finish_reason == "stop"
         assert len(plain.tokens) == ref.tokens.index(ref.tokens[4])
@@ -102,17 +116,20 @@ def test_context_limit_with_speculation(target):
     e = Engine.load(str(target.model.source), n_ctx=40)
     p = SamplingParams(**dict(GREEDY, max_tokens=100))
     ref = e.generate("the cat the cat", p, chat=False)
-    out = e.generate("the cat the cat", p, chat=False, speculative=SpecConfig("mtp", 4).build(e))
+    out = e.generate("the cat the cat", p, chat=False, speculative=SpecConfig("mtp", 4, policy="fixed").build(e))
     assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason == "context"
 
 
 # ------------------------------------------------------------------ distribution
-def _first_tokens(engine, spec_cfg, params, n, seed0):
+def _first_tokens(engine, spec_cfg, params, n, seed0, stats=None):
     out = []
     spec = spec_cfg.build(engine) if spec_cfg else None
     for s in range(n):
         p = SamplingParams(**dict(params, seed=seed0 + s))
-        out.append(tuple(engine.generate(prompt_ids=[5, 6, 7], params=p, speculative=spec).tokens[:3]))
+        c = engine.generate(prompt_ids=[5, 6, 7], params=p, speculative=spec)
+        out.append(tuple(c.tokens[:3]))
+        if stats is not None:
+            stats.merge(c.stats)
     return out
 
 
@@ -157,13 +174,26 @@ def plain_samples(peaky):
             for key, extra in (("t1", {}), ("top_p", {"top_p": 0.8}))}
 
 
-@pytest.mark.parametrize("key,extra", [("t1", {}), ("top_p", {"top_p": 0.8})])
-def test_sampling_distribution_preserved(peaky, flat_draft, plain_samples, key, extra):
+@pytest.mark.parametrize("key,extra,policy", [("t1", {}, "fixed"), ("top_p", {"top_p": 0.8}, "fixed"),
+                                               ("t1", {}, "cost")])
+def test_sampling_distribution_preserved(peaky, flat_draft, plain_samples, key, extra, policy):
     """Empirical distribution of tokens 1..3 with draft-model speculation (k=3) equals plain sampling.
+    With the cost policy, costs are set so that drafts are cheap: how many drafts a step verifies
+    then depends on the draft's own confidence (a mix of 0..3), which must not bias the output.
 
     Power against a wrong residual step is shown directly on the acceptance rule in
     `test_acceptance_rule_emits_target_distribution`."""
-    spec = _first_tokens(peaky, SpecConfig("draft_model", 3, draft_model=flat_draft), dict(SAMPLED, **extra), N, 10**6)
+    from mtpllm.speculative.policy import set_step_costs
+    if policy == "cost":
+        set_step_costs(peaky, [1.0, 1.05, 1.1, 1.15], 0.01)
+    total = V.SpecStats()
+    try:
+        spec = _first_tokens(peaky, SpecConfig("draft_model", 3, draft_model=flat_draft, policy=policy),
+                             dict(SAMPLED, **extra), N, 10**6, total)
+    finally:
+        set_step_costs(peaky, None)
+    if policy == "cost":  # the steps verified different numbers of drafts
+        assert sum(1 for n in total.k_hist if n > N // 50) >= 2, total.k_hist
     for pos in range(3):
         assert _chi2_pvalue(plain_samples[key], spec, pos) > 1e-3
 
@@ -208,12 +238,18 @@ def _consistent_stats(st, k: int, n_tokens: int) -> None:
     assert n_tokens <= 1 + st.num_steps + st.num_accepted_tokens
 
 
-def test_sampling_with_mtp_is_seeded_and_reports(peaky, tiny_mtp):
+@pytest.mark.parametrize("costs", [None, [1.0, 1.0, 1.0, 1.0]])
+def test_sampling_with_mtp_is_seeded_and_reports(peaky, tiny_mtp, costs):
+    """Measured costs (timed once for the model, then reused) or given ones (free rows: every step
+    drafts): the same seed gives the same sample."""
+    from mtpllm.speculative.policy import set_step_costs
     e = Engine.load(str(tiny_mtp), n_ctx=64)
+    set_step_costs(e, costs, 0.0)
     params = SamplingParams(**dict(SAMPLED, max_tokens=20, seed=1))
     out = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
     assert len(out.tokens) == 20
-    _consistent_stats(out.stats, 3, len(out.tokens))
+    if costs:
+        _consistent_stats(out.stats, 3, len(out.tokens))
     again = e.generate(prompt_ids=[5, 6, 7], params=params, speculative=SpecConfig("mtp", 3).build(e))
     assert again.tokens == out.tokens  # the same seed gives the same sample
 
@@ -470,7 +506,7 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     # lossless, through the head file's own reduced vocabulary (half the tokens)
     half = make_tiny_head(tiny_dir / "mtp-half.gguf", "qwen2", n_layers=2, seed=9, draft_vocab=range(0, V_, 2))
     ref = _plain(target, GREEDY)
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half)).build(target)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, mtp_head=str(half), policy="fixed").build(target)
     out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
     assert out.tokens == ref.tokens and out.stats.num_drafts > 0
     ctx = target.slot.draft_state(spec.proposer).ctx_tokens

@@ -732,7 +732,7 @@ def test_head_type_sets_the_matrices_storage(setup, head_type, rel):
         err = float(abs(torch.from_numpy(got.astype("float32")) - t).max() / t.abs().max())
         assert err < rel, (name, err)
     ids = setup[1][0]
-    spec = SpecConfig("mtp", 3, mtp_head=str(g.path)).build(eng)
+    spec = SpecConfig("mtp", 3, mtp_head=str(g.path), policy="fixed").build(eng)  # every step drafts
     out = eng.generate(prompt_ids=ids[:20], params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                        speculative=spec)
     assert out.stats.to_dict()["num_drafts"] > 0

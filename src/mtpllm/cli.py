@@ -111,7 +111,7 @@ def print_timings(t, stats=None, file=None) -> None:
     print(line("eval time", t.predicted_ms, t.predicted_n), file=file)
     if t.cached_n:
         print(f"{'cached prompt':>16} = {t.cached_n} tokens", file=file)
-    if stats is not None and getattr(stats, "num_drafts", 0):
+    if stats is not None and getattr(stats, "num_steps", 0):  # also when the policy chose plain steps only
         print(stats.summary(), file=file)
 
 
@@ -167,14 +167,14 @@ def cmd_chat(argv: list[str]) -> int:
     ap.add_argument("-sys", "--system", default=None, help="system prompt")
     ap.add_argument("--timings", action="store_true", help="print timings after each answer")
     from .speculative.config import add_spec_args, spec_from_args
-    add_spec_args(ap)
+    add_spec_args(ap, default_mtp=True)
     a = ap.parse_args(argv)
     params = sampling_from_args(a)
-    spec_cfg = spec_from_args(a)
+    spec_cfg = spec_from_args(a, default_mtp=True)
     eng = load_engine(a)
     if not eng.tokenizer.chat_template:
         raise MtpllmError("this model has no chat template; use `mtpllm run --no-chat` for text completion")
-    spec = spec_cfg.build(eng) if spec_cfg else None
+    spec = spec_cfg.build(eng) if spec_cfg and spec_cfg.usable(eng) else None
     messages = [{"role": "system", "content": a.system}] if a.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -277,7 +277,7 @@ def cmd_serve(argv: list[str]) -> int:
     g.add_argument("--no-access-log", action="store_true", help="no JSON access-log line per request on stderr")
     ap.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     from .speculative.config import add_spec_args, spec_from_args
-    add_spec_args(ap)
+    add_spec_args(ap, default_mtp=True)
     a = ap.parse_args(argv)
     if a.port > 65535:
         raise MtpllmError(f"--port must be at most 65535, got {a.port}")
@@ -292,10 +292,12 @@ def cmd_serve(argv: list[str]) -> int:
         raise MtpllmError(f"the server needs FastAPI, uvicorn and prometheus-client: pip install 'mtpllm[server]' "
                           f"({exc})") from None
     params = sampling_from_args(a)
-    spec_cfg = spec_from_args(a)
+    spec_cfg = spec_from_args(a, default_mtp=True)
     eng = load_engine(a)
     if a.ubatch_size is not None:
         eng.prefill_chunk = a.ubatch_size
+    if spec_cfg is not None and not spec_cfg.usable(eng):
+        spec_cfg = None  # speculation by default only where the model has an MTP head
     from .registry import resolve_model
     server = Server(eng, resolve_model(a.model).name, spec_cfg, params, parallel=a.parallel, max_queue=a.max_queue)
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"

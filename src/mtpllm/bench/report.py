@@ -33,6 +33,8 @@ ROW_SCHEMA = {
         "per_position_acceptance": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
         "draft_ms_per_step": {"type": ["number", "null"], "minimum": 0},
         "tokens_per_step": {"type": ["number", "null"], "minimum": 1},
+        # target steps by the number of drafts they verified (index 0: plain steps)
+        "draft_length_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "peak_rss_mib": {"type": "number", "minimum": 0}, "load_ms": {"type": "number", "minimum": 0},
         # decode t/s over llama.cpp's tg<n_gen> on the same file and threads in the same run (--vs-llama-cpp)
         "decode_vs_llama_cpp": {"type": "number", "minimum": 0},
@@ -105,6 +107,9 @@ def to_markdown(rep: dict) -> str:
         if tps is not None and abs(tps - r["mean_acceptance_length"]) > 0.005:
             mal += f" ({tps:.2f}/step)"  # a p-min cut-off left steps without a draft
         pos = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) or "-"
+        hist = r.get("draft_length_histogram") or []
+        if sum(1 for n in hist if n) > 1:  # the policy chose different draft lengths: steps by k
+            pos += " (k " + " ".join(f"{k}:{n}" for k, n in enumerate(hist) if n) + ")"
         out.append(f"| {os.path.basename(r['model'])} | {r['threads']} | {_test_name(r)} | {r['spec']} | "
                    f"{_pm(r['prefill_tps'])} | {_pm(r['decode_tps'])} | {_pm(r['e2e_tps'])} | {acc} | {mal} | "
                    f"{pos} | {r['peak_rss_mib']:.0f} | {r['load_ms']:.0f} |" +
@@ -117,7 +122,8 @@ def to_markdown(rep: dict) -> str:
                "e2e t/s: generated tokens / (prompt + generation time); mean ± sd over repeats (run in rounds over "
                "all rows, and llama.cpp once per round), warm-up excluded; "
                "mean acc. len: 1 + accepted / steps with a draft (in brackets, where a p-min cut-off left steps "
-               "without one: per step).")
+               "without one: per step); (k ...): steps by the number of drafts they verified, 0 = plain, where "
+               "that varied.")
     return "\n".join(out)
 
 

@@ -56,11 +56,24 @@ def split_cutoff(s: str) -> tuple[str, float, float]:
     return (base, 0.0, v) if cumulative else (base, v, 0.0)
 
 
+def split_policy(s: str) -> tuple[str, str | None]:
+    """'mtp:3~fixed' -> ('mtp:3', 'fixed'): the draft-length policy (cost, fixed, adaptive; default:
+    cost for mtp, fixed otherwise); no known policy after the last '~': none given."""
+    from ..speculative.config import POLICIES
+    base, sep, pol = s.strip().rpartition("~")
+    return (base, pol) if sep and pol in POLICIES else (s.strip(), None)
+
+
 def parse_spec(s: str) -> tuple[str, str, int, str | None]:
     """'none' | 'mtp[:k]' | 'ngram[:k]' | 'draft:MODEL[:k]', each optionally with '@P' (a draft
-    p-min) or '@cP' (a cumulative one) -> (label, method, k, draft model); 'ngram[:k]+mtp[:k]' (a chain: lookup where it
-    matches, MTP otherwise) -> method 'chain'."""
-    s = s.strip()
+    p-min) or '@cP' (a cumulative one) and '~POLICY' (cost, fixed, adaptive) -> (label, method, k,
+    draft model); 'ngram[:k]+mtp[:k]' (a chain: lookup where it matches, MTP otherwise) -> method 'chain'."""
+    s, policy = split_policy(s)
+    if policy:
+        label, method, k, draft = parse_spec(s)
+        if method == "none":
+            raise MtpllmError(f"--spec {s}~{policy}: a draft-length policy needs a method")
+        return f"{label}~{policy}", method, k, draft
     if "+" in s:
         parts = [parse_spec(p) for p in s.split("+")]
         if len(parts) != 2 or "none" in [p[1] for p in parts]:
@@ -114,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="speculative methods, comma-separated: none, mtp[:k], ngram[:k], draft:MODEL[:k], "
                          "or a chain ngram[:k]+mtp[:k] (lookup where it matches, MTP otherwise); '@P' after a "
                          "method stops its drafts at a token of draft probability below P (e.g. mtp:3@0.5), '@cP' when "
-                         "the product of the step's draft probabilities falls below P (e.g. mtp:3@c0.3)")
+                         "the product of the step's draft probabilities falls below P (e.g. mtp:3@c0.3); '~POLICY' "
+                         "last picks how k is chosen per step: cost (mtp's default: up to k, 0 included, from measured "
+                         "costs and acceptance), fixed, adaptive (e.g. mtp:3~fixed)")
     ap.add_argument("--prompts", default="synthetic",
                     help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
@@ -221,6 +236,8 @@ class RowRun:
             # tokens per target forward, steps left undrafted by a p-min cut-off included
             "tokens_per_step": total.tokens_per_step if spec_on else None,
             "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
+            # target steps by the number of drafts they verified (0: plain steps the policy chose)
+            "draft_length_histogram": list(total.k_hist) if spec_on else [],
             "peak_rss_mib": self.peak_mib,
         }
 
@@ -335,15 +352,19 @@ def main(argv: list[str]) -> int:
             engine = Engine.load(str(path), n_ctx=n_ctx, mode="f32" if a.dequantize else "fast", threads=threads,
                                  device=a.device)
             built = {}
-            def config(text: str) -> SpecConfig:  # 'a+b': a chain, b the fallback (checked by parse_spec)
+            def config(text: str, policy: str | None = None) -> SpecConfig:
+                # 'a+b': a chain, b the fallback (checked by parse_spec); one policy for a whole chain
+                text, own = split_policy(text)
                 first, _, rest = text.partition("+")
-                _, method, k, draft = parse_spec(first)
+                parts = [split_policy(x) for x in text.split("+")]
+                policy = policy or own or next((p for _, p in parts if p), None)
+                _, method, k, draft = parse_spec(parts[0][0])
                 return SpecConfig(method=method, num_speculative_tokens=k, draft_model=draft,
                                   # one cut-off for a whole chain (its verifier's; lookup drafts ignore it)
-                                  p_min=max(split_cutoff(x)[1] for x in text.split("+")),
-                                  p_cum=max(split_cutoff(x)[2] for x in text.split("+")),
-                                  mtp_head=a.mtp_head if method == "mtp" else None,
-                                  fallback=config(rest) if rest else None)
+                                  p_min=max(split_cutoff(x)[1] for x, _ in parts),
+                                  p_cum=max(split_cutoff(x)[2] for x, _ in parts),
+                                  mtp_head=a.mtp_head if method == "mtp" else None, policy=policy,
+                                  fallback=config(rest, "fixed") if rest else None)
             for spec_text, (label, method, k, draft) in zip(a.spec.split(","), specs):
                 if method != "none":  # build every proposer before measuring: bad input fails fast
                     built[label] = config(spec_text.strip()).build(engine)

@@ -117,6 +117,9 @@ class Engine:
         check_kv_memory(cfg, n_ctx)
         if device != "cpu":
             model.to(device)
+        elif mode == "fast":
+            from .tuning import tune_at_load
+            tune_at_load(model)  # the kernels' faster paths on this machine (timed once, cached)
         return cls(model, tok, n_ctx, (time.perf_counter() - t0) * 1e3, device)
 
     def new_slot(self, index: int = 0) -> Slot:

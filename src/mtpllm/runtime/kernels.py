@@ -190,6 +190,8 @@ def _build() -> None:
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
             _state["silu_mul"] = torch.ops.mtpllm.silu_mul
             _state["x8_tile4"] = torch.ops.mtpllm.x8_tile4
+            _state["tuning"] = torch.ops.mtpllm.tuning
+            _state["paired_tiles"] = torch.ops.mtpllm.paired_tiles
             _state["isa"] = name
             return
         except Exception as e:  # no compiler, no ninja, build error: fall back with the reason
@@ -293,6 +295,29 @@ def x8_tile4(value: int = -1) -> int:
     clear: tiles of 2 rows. Both give the same bits. Sets it when value >= 0; returns the value it
     had (-1 in the AVX-512 VNNI build, whose tiles always take 4 rows)."""
     return int(_op("x8_tile4")(int(value)))
+
+
+def tuning(name: str, value: int = -1) -> int:
+    """A choice between code paths of the kernels that give the same bits (csrc/common.h):
+    "grain_macs" (multiply-adds per parallel task: how products split their rows between threads)
+    or "pair_nsb" (verification tiles pair Q4_Kx8 row groups above this many super-blocks of K).
+    Sets it when value >= 0; returns the value it had. Chosen per machine by `runtime/tuning.py`."""
+    return int(_op("tuning")(name, int(value)))
+
+
+def paired_tiles() -> bool:
+    """Whether this build has the paired verification tile (`pair_nsb` matters): the VNNI build."""
+    return bool(_op("paired_tiles")())
+
+
+def build_id() -> str:
+    """The kernels' instruction set and a digest of their sources: a choice timed for one build is
+    not reused for another."""
+    import hashlib
+    h = hashlib.sha256()
+    for src in sorted(_SOURCES + [_CSRC / "common.h"]):
+        h.update(src.read_bytes())
+    return f"{_state.get('isa', isa())}-{h.hexdigest()[:16]}"
 
 
 def decode_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float, eps: float,

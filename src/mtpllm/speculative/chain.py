@@ -48,14 +48,21 @@ class ChainProposer:
             else:
                 p.begin(s, prompt, prompt_hidden, start)
 
-    def propose(self, st: ChainState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st: ChainState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None):
         for i, (p, s, kp) in enumerate(zip(self.proposers, st.states, self.ks)):
-            drafts, qs = p.propose(s, history, min(k, kp), sampler, p_min, p_cum)
+            drafts, qs = p.propose(s, history, min(k, kp), sampler, p_min, p_cum, keep=keep)
             if drafts:
                 st.last = self.names[i]
                 return drafts, qs
         st.last = None
         return [], []
+
+    def probe_ms(self, st: ChainState, hidden, token: int) -> float | None:
+        """The slowest member's drafting of one token (n-gram lookup is not timed: it is free)."""
+        ms = [p.probe_ms(s, hidden, token) for p, s in zip(self.proposers, st.states) if hasattr(p, "probe_ms")]
+        ms = [m for m in ms if m is not None]
+        return max(ms) if ms else None
 
     def accept(self, st: ChainState, history, n_accepted, target_hidden) -> None:
         for p, s in zip(self.proposers, st.states):

@@ -11,6 +11,11 @@ MTP_ALIASES = {"mtp", "deepseek_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "draft-mt
 METHODS = {"mtp", "draft_model", "ngram"}
 LLAMA_SPEC_TYPES = {"none": None, "draft-mtp": "mtp", "draft-simple": "draft_model", "ngram-simple": "ngram"}
 MAX_K = 16
+# how the draft length is chosen per step: "cost" (expected tokens per unit of time from the measured
+# step costs, the head's confidence and this request's acceptance, 0 = a plain step; policy.py),
+# "fixed" (always the draft length, less what a cut-off stops), "adaptive" (grow by one after a
+# fully accepted draft, shrink by one after a rejected first draft)
+POLICIES = ("cost", "fixed", "adaptive")
 
 
 @dataclass
@@ -31,7 +36,11 @@ class SpecConfig:
     # first member of a chain, where a weak match's draft would displace a better MTP draft
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int = 4
-    adaptive: bool = False
+    adaptive: bool = False  # the same as policy="adaptive"
+    # None: "cost" for MTP, "fixed" for draft models, n-gram lookup and chains
+    policy: str | None = None
+    # made by default (chat, serve): used when the model has an MTP head, plain decoding otherwise
+    auto: bool = False
     # a second method for the steps where this one has no draft (a chain: n-gram lookup first, MTP
     # otherwise), with its own draft length
     fallback: "SpecConfig | None" = None
@@ -58,6 +67,15 @@ class SpecConfig:
         lo, hi = (1 if self.prompt_lookup_min is None else self.prompt_lookup_min), self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise MtpllmError(f"prompt_lookup_min/max must be integers with 1 <= min <= max, got {lo!r}, {hi!r}")
+        if self.adaptive and self.policy not in (None, "adaptive"):
+            raise MtpllmError(f"adaptive draft length and policy '{self.policy}' contradict each other")
+        if self.adaptive:
+            self.policy = "adaptive"
+        if self.policy is None:
+            self.policy = "cost" if m == "mtp" and self.fallback is None else "fixed"
+        if self.policy not in POLICIES:
+            raise MtpllmError(f"unknown draft-length policy {self.policy!r} (known: {', '.join(POLICIES)})")
+        self.adaptive = self.policy == "adaptive"
         fb = self.fallback
         if fb is not None:
             if fb.fallback is not None:
@@ -86,6 +104,14 @@ class SpecConfig:
                                                     min_speculative_tokens=min(self.min_speculative_tokens, k)))
         return SpeculativeDecoder(prop, self)
 
+    def usable(self, engine) -> bool:
+        """For a default (`auto`) config: whether the model has an MTP head to draft with (in its
+        file, or a shipped / cached head made for it). Explicit configs are always tried."""
+        if not self.auto:
+            return True
+        from .mtp import MTPProposer
+        return MTPProposer.head_available(engine)
+
     def _proposer(self, engine):
         if self.method == "ngram":
             from .ngram import NgramProposer
@@ -103,7 +129,8 @@ class SpecConfig:
 
 
 _JSON_KEYS = {"method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-              "draft_p_min", "draft_p_cumulative", "min_speculative_tokens", "adaptive", "mtp_head", "fallback"}
+              "draft_p_min", "draft_p_cumulative", "min_speculative_tokens", "adaptive", "policy", "mtp_head",
+              "fallback"}
 
 
 def parse_speculative_json(text: str) -> SpecConfig:
@@ -132,17 +159,25 @@ def _spec_from_dict(d) -> SpecConfig:
         p_cum=d.get("draft_p_cumulative", 0.0),
         draft_model=d.get("model"), mtp_head=d.get("mtp_head"),
         prompt_lookup_min=d.get("prompt_lookup_min"), prompt_lookup_max=d.get("prompt_lookup_max", 4),
-        adaptive=bool(d.get("adaptive", False)),
+        adaptive=bool(d.get("adaptive", False)), policy=_policy(d.get("policy")),
         fallback=_spec_from_dict(d["fallback"]) if d.get("fallback") is not None else None)
 
 
-def add_spec_args(ap: argparse.ArgumentParser) -> None:
+def _policy(p):
+    if p is not None and not isinstance(p, str):
+        raise MtpllmError(f"--speculative: \"policy\" must be one of {', '.join(POLICIES)}, got {p!r}")
+    return p
+
+
+def add_spec_args(ap: argparse.ArgumentParser, default_mtp: bool = False) -> None:
     g = ap.add_argument_group("speculative decoding")
     g.add_argument("--speculative", "--speculative-config", dest="speculative", default=None, metavar="JSON",
                    help='vLLM-style, e.g. \'{"method":"mtp","num_speculative_tokens":3}\'')
     g.add_argument("--spec-type", default=None, metavar="TYPE",
                    help="llama.cpp-style: none | draft-mtp | draft-simple | ngram-simple; two as a chain, "
-                        "e.g. ngram-simple,draft-mtp (lookup where it finds a match, MTP otherwise)")
+                        "e.g. ngram-simple,draft-mtp (lookup where it finds a match, MTP otherwise)"
+                        + ("; default: draft-mtp where the model has an MTP head (none: plain decoding)"
+                           if default_mtp else ""))
     g.add_argument("--spec-draft-n-max", type=int, default=None, help="max draft tokens per step (default 3)")
     g.add_argument("--spec-draft-n-min", type=int, default=None, help="min draft tokens per step (default 1)")
     g.add_argument("--spec-fallback-n-max", type=int, default=None,
@@ -157,14 +192,23 @@ def add_spec_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-mtp-head", default=None,
                    help="MTP head for draft-mtp: a head-only mtp-*.gguf file, a .safetensors file or a Hugging Face "
                         "model directory (Qwen3-Next/3.5 mtp.* or DeepSeek/GLM model.layers.L.* names)")
+    g.add_argument("--spec-policy", choices=POLICIES, default=None,
+                   help="how the draft length is chosen each step: cost (default for draft-mtp: "
+                        "the k, 0 included, with the most expected tokens per unit of time, from this machine's "
+                        "measured step costs, the draft's confidence and the acceptance so far), fixed (always "
+                        "--spec-draft-n-max, less what a cut-off stops), adaptive (as --spec-adaptive)")
     g.add_argument("--spec-adaptive", action="store_true", help="grow/shrink the draft length from acceptance")
     g.add_argument("--spec-ngram-min", type=int, default=None, help="n-gram lookup: shortest match (default 1; 3 as the first type of a chain)")
     g.add_argument("--spec-ngram-max", type=int, default=None, help="n-gram lookup: longest match (default 4)")
 
 
-def spec_from_args(a) -> SpecConfig | None:
-    """Combine --speculative JSON and llama.cpp-style flags into one validated SpecConfig (or None)."""
+def spec_from_args(a, default_mtp: bool = False) -> SpecConfig | None:
+    """Combine --speculative JSON and llama.cpp-style flags into one validated SpecConfig (or None).
+    default_mtp: without a method, MTP (`auto`: used where the model has a head); `--spec-type none`
+    turns it off."""
     cfg = None
+    if default_mtp and not a.speculative and a.spec_type is None and not a.spec_draft_model:
+        cfg = SpecConfig(method="mtp", auto=True)
     if a.speculative:
         cfg = parse_speculative_json(a.speculative)
     if a.spec_type is not None:
@@ -190,7 +234,8 @@ def spec_from_args(a) -> SpecConfig | None:
     elif cfg is None and a.spec_draft_model:
         cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
     if cfg is None:
-        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_draft_p_cum, a.spec_mtp_head, a.spec_fallback_n_max]
+        flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_draft_p_cum, a.spec_mtp_head,
+                 a.spec_fallback_n_max, a.spec_policy]
         if any(f is not None for f in flags) or a.spec_adaptive:
             raise MtpllmError("speculative options given without a method: add --spec-type or --speculative")
         return None
@@ -222,7 +267,14 @@ def spec_from_args(a) -> SpecConfig | None:
         cfg.prompt_lookup_min = a.spec_ngram_min
     if a.spec_ngram_max is not None:
         cfg.prompt_lookup_max = a.spec_ngram_max
-    cfg.adaptive = cfg.adaptive or a.spec_adaptive
+    if a.spec_adaptive and a.spec_policy not in (None, "adaptive"):
+        raise MtpllmError(f"--spec-adaptive and --spec-policy {a.spec_policy} contradict each other")
+    if a.spec_adaptive:
+        cfg.policy = "adaptive"
+    elif a.spec_policy is not None:
+        cfg.policy, cfg.adaptive = a.spec_policy, False
+    if cfg.auto and cfg.mtp_head:
+        cfg.auto = False  # a head given by name is required, not optional
     if cfg.fallback is not None:
         cfg.fallback.__post_init__()
     cfg.__post_init__()

@@ -90,7 +90,8 @@ class DraftModelProposer:
         decoding."""
         yield from self._sync_steps(st, list(prompt), chunk)
 
-    def propose(self, st: DraftState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st: DraftState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None):
         k = min(k, st.cache.max_len - len(history))
         if k <= 0:
             return [], []
@@ -100,9 +101,9 @@ class DraftModelProposer:
         hist = list(history)
         cum = 1.0
         for i in range(k):
-            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, max(p_min, p_cum))
+            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, 1.0 if keep else max(p_min, p_cum))
             cum *= top
-            if stop_drafting(top, cum, p_min, p_cum):
+            if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
                 break
             drafts.append(d)
             qs.append(q)
@@ -111,6 +112,23 @@ class DraftModelProposer:
                 h = self.model(torch.tensor([d], device=self.device), st.cache)
         st.cache.trim(st.cache.length - base)  # keep only true tokens
         return drafts, qs
+
+    @torch.inference_mode()
+    def probe_ms(self, st: DraftState, hidden, token: int) -> float | None:
+        """Milliseconds of drafting one token (a forward of the draft model and its logits), rolled back."""
+        cache = st.cache
+        if cache.length + 1 > cache.max_len:
+            return None
+        import time
+        t0 = time.perf_counter()
+        self.model.logits(self.model(torch.tensor([token], device=self.device), cache))
+        ms = (time.perf_counter() - t0) * 1e3
+        if cache.max_trim() < 1:
+            cache.reset()
+            st.committed = []
+        else:
+            cache.trim(1)
+        return ms
 
     def accept(self, st: DraftState, history, n_accepted, target_hidden) -> None:
         pass  # the next `propose` syncs to the new history

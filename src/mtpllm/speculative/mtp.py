@@ -238,6 +238,22 @@ class MTPProposer:
             head.to(engine.device)
         return cls(head, trunk, engine.n_ctx, engine.device)
 
+    @staticmethod
+    def head_available(engine) -> bool:
+        """Whether the engine's model has an MTP head without being told one: MTP layers in its file,
+        or a shipped / cached head made for it."""
+        trunk = engine.model
+        if trunk.cfg.n_nextn > 0:
+            return True
+        found = find_head_for(trunk.source)
+        if found is None:
+            return False
+        try:
+            check_head_trunk(GGUFFile(found), trunk.source)
+        except MtpllmError:
+            return False
+        return True
+
     MAX_CONTEXT_ROWS = 4096
 
     def update_context(self, st: MTPState, history: list[int]) -> None:
@@ -277,7 +293,11 @@ class MTPProposer:
         st.pending_start = start + n
 
     @torch.inference_mode()
-    def propose(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None):
+        """Up to k drafts and their distributions. The cut-offs drop the first draft whose top
+        probability (or the product of them) is too low, and `keep(i, probability)`, when given,
+        the first draft it refuses, with everything after it."""
         p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
         cache = st.cache
         c = cache.length
@@ -294,7 +314,8 @@ class MTPProposer:
         hist = list(history)
         self.update_context(st, history)
         g_last = g[-1:]
-        cut, cum = max(p_min, p_cum), 1.0  # top probabilities are computed only for a cut-off
+        # top probabilities are computed only for a cut-off or a `keep` test
+        cut, cum = (1.0 if keep is not None else max(p_min, p_cum)), 1.0
         for i in range(k):
             logits = self.lm_head(g_last)[0]
             if st.ctx_head is not None:
@@ -311,7 +332,7 @@ class MTPProposer:
                                         device=logits.device).index_copy_(0, st.draft_ids, logits)
                 d, q, top = draft_token(logits, sampler, hist, cut)
             cum *= top
-            if stop_drafting(top, cum, p_min, p_cum):
+            if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
                 break
             drafts.append(d)
             qs.append(q)
@@ -320,6 +341,23 @@ class MTPProposer:
                 g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, cache)
         cache.trim(cache.length - p0)  # drop speculative recursion entries
         return drafts, qs
+
+    @torch.inference_mode()
+    def probe_ms(self, st: MTPState, hidden: torch.Tensor, token: int) -> float | None:
+        """Milliseconds of drafting one token (the head's block and its logits) at the state's depth;
+        the entry it writes is rolled back. None when the head's cache has no room."""
+        cache = st.cache
+        if hidden is None or cache.length + 1 > cache.max_len:
+            return None
+        import time
+        t0 = time.perf_counter()
+        g = self.head(self.embed(torch.tensor([token], device=self.device)), hidden[-1:], cache)
+        self.lm_head(g)
+        if st.ctx_head is not None:
+            st.ctx_head(g)
+        ms = (time.perf_counter() - t0) * 1e3
+        cache.trim(1)
+        return ms
 
     def accept(self, st: MTPState, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
         if st.pending_h is not None:

@@ -18,7 +18,8 @@ class NgramProposer:
     def begin(self, st, prompt, prompt_hidden, start) -> None:
         pass
 
-    def propose(self, st, history: list[int], k: int, sampler=None, p_min: float = 0.0, p_cum: float = 0.0):
+    def propose(self, st, history: list[int], k: int, sampler=None, p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None):
         arr = np.asarray(history, dtype=np.int64)
         L = len(arr)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
@@ -28,6 +29,11 @@ class NgramProposer:
             if hits.size:
                 start = int(hits[-1]) + n
                 cont = arr[start:start + k].tolist()
+                if keep is not None:  # a match's drafts all have confidence 1
+                    n = 0
+                    while n < len(cont) and keep(n, 1.0):
+                        n += 1
+                    cont = cont[:n]
                 if cont:
                     return cont, [None] * len(cont)  # one-hot drafts: q(d) = 1
         return [], []

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.sampling import Sampler
+from .policy import CostPolicy, PolicyState, depth_band, step_costs
 # proposers import common_prefix from here
 from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
@@ -39,6 +40,8 @@ class SpecStats:
     verify_ms: float = 0.0
     # a chain of proposers: per member, [steps it drafted, draft tokens, accepted tokens]
     members: dict[str, list[int]] = field(default_factory=dict)
+    # steps by the number of drafts they verified: [steps with 0 (plain steps), with 1, ...]
+    k_hist: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,6 +65,9 @@ class SpecStats:
 
     def record(self, n_drafted: int, n_accepted: int, member: str | None = None) -> None:
         self.num_steps += 1
+        while len(self.k_hist) <= n_drafted:
+            self.k_hist.append(0)
+        self.k_hist[n_drafted] += 1
         if n_drafted == 0:
             return
         if member is not None:
@@ -92,6 +98,10 @@ class SpecStats:
             m = self.members.setdefault(name, [0, 0, 0])
             for i in range(3):
                 m[i] += counts[i]
+        for i, n in enumerate(other.k_hist):
+            if i >= len(self.k_hist):
+                self.k_hist.append(0)
+            self.k_hist[i] += n
         for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
             if i >= len(self.drafted_per_pos):
                 self.drafted_per_pos.append(0)
@@ -106,17 +116,18 @@ class SpecStats:
                 "num_steps": self.num_steps, "tokens_per_step": self.tokens_per_step,
                 "per_position_acceptance": self.per_position_acceptance,
                 "drafted_per_pos": list(self.drafted_per_pos), "accepted_per_pos": list(self.accepted_per_pos),
-                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms,
+                "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "draft_length_histogram": list(self.k_hist),
                 **({"members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v))
                                 for k, v in self.members.items()}} if self.members else {})}
 
     def summary(self) -> str:
         pos = " ".join(f"{r:.2f}" for r in self.per_position_acceptance)
         chain = "".join(f"; {k}: {v[0]} drafts, {v[2]}/{v[1]} accepted" for k, v in self.members.items())
+        hist = " ".join(f"{k}:{n}" for k, n in enumerate(self.k_hist) if n)
         return (f"{'speculative':>16} = {self.num_drafts} drafts, {self.num_accepted_tokens}/{self.num_draft_tokens} "
                 f"accepted ({100 * self.acceptance_rate:.1f}%), mean acceptance length "
                 f"{self.mean_acceptance_length:.2f}, per position [{pos}], draft {self.draft_ms:.0f} ms, "
-                f"verify {self.verify_ms:.0f} ms{chain}")
+                f"verify {self.verify_ms:.0f} ms, steps by drafts verified [{hist}]{chain}")
 
 
 def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
@@ -222,7 +233,22 @@ class SpeculativeDecoder:
             prop.begin(st, seq.prompt, seq.prompt_hidden, seq.cached_n)
         seq.history.append(x0)
         seq.x0 = x0
+        if self.cfg.policy == "cost":
+            seq.policy = PolicyState()
+            self._costs(engine, seq)  # measured at this depth before the first step, if not yet
         return seq.block([x0], 0, logits)
+
+    def _cost_key(self):
+        c = self.cfg
+        return (c.label(), c.mtp_head, c.draft_model)
+
+    def _costs(self, engine, seq):
+        """This depth's costs for the cost policy, timed on first use of the model at this depth band."""
+        table = step_costs(engine)
+        n_rows, depth = self.cfg.num_speculative_tokens + 1, seq.slot.cache.length
+        if table.needs(depth, n_rows, self._cost_key()):
+            table.measure(engine, seq, n_rows, self.proposer, self._cost_key())
+        seq.costs = table.get(depth, n_rows, self._cost_key())
 
     def plan(self, seq) -> list[int] | None:
         cache, cfg = seq.slot.cache, self.cfg
@@ -230,9 +256,14 @@ class SpeculativeDecoder:
         room = cache.max_len - cache.length - 2
         if room < 0:
             return None
+        k, keep = min(seq.k, room), None
+        costs = getattr(seq, "costs", None)
+        if cfg.policy == "cost" and costs is not None:
+            k = CostPolicy.limit(seq.policy, costs, k)
+            keep = CostPolicy.keeper(seq.policy, costs)
         t0 = time.perf_counter()
-        seq.pending = self.proposer.propose(seq.draft, seq.history, min(seq.k, room), seq.draft_sampler,
-                                            cfg.p_min, cfg.p_cum) if room > 0 else ([], [])
+        seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
+                                            cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
         seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
         return [seq.x0] + seq.pending[0]
 
@@ -253,11 +284,15 @@ class SpeculativeDecoder:
         stats.draft_ms += (time.perf_counter() - t1) * 1e3
         stats.verify_ms += forward_ms + (t1 - t0) * 1e3
         cfg = self.cfg
-        if cfg.adaptive and drafts:
+        if cfg.policy == "cost" and getattr(seq, "costs", None) is not None:
+            seq.policy.observe(seq.policy.confs[:len(drafts)], n)
+        if cfg.policy == "adaptive" and drafts:
             if n == len(drafts) == seq.k:
                 seq.k = min(seq.k + 1, cfg.num_speculative_tokens)
             elif n == 0:
                 seq.k = max(seq.k - 1, cfg.min_speculative_tokens)
         seq.x0 = y
         seq.pending = ([], [])
+        if cfg.policy == "cost" and depth_band(seq.slot.cache.length) != depth_band(seq.slot.cache.length - n - 1):
+            self._costs(engine, seq)  # a deeper band: its own costs (timed once per model)
         return seq.block(new, n, logits)

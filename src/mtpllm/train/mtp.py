@@ -663,7 +663,7 @@ def evaluate_head(engine, head_path: str, prompts: list[str], k: int = 3, max_to
     """Greedy speculative generation with the head on `prompts`; returns the pooled SpecStats."""
     from ..runtime.sampling import SamplingParams
     from ..speculative import SpecConfig, SpecStats
-    spec = SpecConfig("mtp", k, mtp_head=head_path).build(engine)
+    spec = SpecConfig("mtp", k, mtp_head=head_path, policy="fixed").build(engine)  # every step at k
     pooled = SpecStats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for prompt in prompts:

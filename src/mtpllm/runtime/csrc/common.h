@@ -50,11 +50,26 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Output rows per parallel task for a matrix product of M rows of length K: at least ~256K
-// multiply-adds, so small matrices (tiny models) run on the calling thread instead of paying for a
-// parallel region (costly when cores are shared)
+// Choices between code paths that compute the same bits, made per machine by timing them
+// (runtime/tuning.py sets them through the `tuning` op; these are the defaults):
+//   grain_macs  multiply-adds per parallel task of a matrix product (how the rows are split
+//               between threads; small matrices run on the calling thread)
+//   pair_nsb    verification tiles of 2-4 rows take two Q4_Kx8 row groups at once (`x8_tile2`,
+//               AVX-512 VNNI build) above this many super-blocks of K
+inline int64_t& tune_grain_macs() {
+  static int64_t v = 262144;
+  return v;
+}
+inline int64_t& tune_pair_nsb() {
+  static int64_t v = 8;
+  return v;
+}
+
+// Output rows per parallel task for a matrix product of M rows of length K: at least grain_macs
+// (~256K) multiply-adds, so small matrices (tiny models) run on the calling thread instead of paying
+// for a parallel region (costly when cores are shared)
 inline int64_t grain_rows(int64_t K, int64_t M) {
-  return std::max<int64_t>(16, 262144 / std::max<int64_t>(1, K * M));
+  return std::max<int64_t>(16, tune_grain_macs() / std::max<int64_t>(1, K * M));
 }
 
 // Quantize one row of K floats (K % 32 == 0) to int8 per 32-block (d = max|x| / 127, as llama.cpp's

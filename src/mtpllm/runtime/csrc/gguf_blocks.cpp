@@ -582,11 +582,11 @@ __attribute__((always_inline)) inline void x8_finish(const uint8_t* b, const Act
 
 #if MTPLLM_VNNI
 constexpr int X8_RM = 4;  // rows of x per tile (32 vector registers)
-// Above this many super-blocks (K > 2048) verification tiles take two Q4_Kx8 row groups at once
-// (`x8_tile2`): 4 rows of x over K = 8960 (35 KB) are read from L2 once per pair of groups instead
-// of once per group (the 1.5B's FFN-down, 4 rows: 4.3-4.5 -> 3.5 ms per step). Below it the tile of
-// x stays in L1 and the paired tile, short of registers, is slower (the gate/up products: 10.6 -> 16.6).
-constexpr int64_t X8_PAIR_NSB = 8;
+// Above this many super-blocks (default 8: K > 2048; `tune_pair_nsb`, chosen per machine by
+// timing) verification tiles take two Q4_Kx8 row groups at once (`x8_tile2`): 4 rows of x over
+// K = 8960 (35 KB) are read from L2 once per pair of groups instead of once per group (Zen 5: the
+// 1.5B's FFN-down, 4 rows: 4.3-4.5 -> 3.5 ms per step). Below it the tile of x stays in L1 and the
+// paired tile, short of registers, is slower (the gate/up products: 10.6 -> 16.6).
 
 // the 8 rows' products over super-blocks [0, nsb) for RM rows of x (ActK a) into facc. 512-bit
 // registers: a pair's 64 bytes are 8 codes of all 8 rows, lanes 2 r and 2 r + 1 row r's.
@@ -1056,7 +1056,7 @@ void kx8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, con
   const int64_t nsb = xk.K / 256;
   int64_t grp = (n0 + 7) / 8;
 #if MTPLLM_VNNI
-  if (std::is_same_v<Tile, Q4Kx8Tile> && M > 1 && M <= X8_RM && nsb > X8_PAIR_NSB) {
+  if (std::is_same_v<Tile, Q4Kx8Tile> && M > 1 && M <= X8_RM && nsb > mtpllm::tune_pair_nsb()) {
     const int rm = static_cast<int>(M);
     for (; (grp + 1) * 8 < n1; grp += 2) {
       __m256 f[2][X8_RM];
@@ -1748,11 +1748,37 @@ at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArray
 }
 }  // namespace mtpllm
 
+namespace {
+// Read (value < 0) or set one of the choices of common.h; returns the value before
+int64_t tuning(c10::string_view name, int64_t value) {
+  int64_t* v = nullptr;
+  if (name == "grain_macs") v = &mtpllm::tune_grain_macs();
+  if (name == "pair_nsb") v = &mtpllm::tune_pair_nsb();
+  TORCH_CHECK(v != nullptr, "tuning: unknown choice '", std::string(name.data(), name.size()), "' (grain_macs, pair_nsb)");
+  const int64_t old = *v;
+  if (value >= 0) {
+    TORCH_CHECK(name != "grain_macs" || value >= 1, "tuning: grain_macs must be at least 1");
+    *v = value;
+  }
+  return old;
+}
+
+int64_t paired_tiles() {
+#if MTPLLM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor");
   m.def("gguf_dequantize(Tensor[] ws, int[] types, int K) -> Tensor");
   m.def("gguf_repack(Tensor w, int type, int K) -> Tensor");
   m.def("gguf_linear_chunk(Tensor x, Tensor[] ws, int[] types) -> Tensor");
+  m.def("tuning(str name, int value) -> int", &tuning);
+  m.def("paired_tiles() -> int", &paired_tiles);
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {

@@ -1,0 +1,197 @@
+"""Kernel code paths chosen by timing them on this machine, once, and remembered on disk.
+
+Where the C++ kernels have two ways to compute the same bits (csrc/common.h), which one is faster
+depends on the CPU (its vector units, caches, memory, how many cores are really free), not on its
+name. At load, for each such choice that exists for this model and build, the model's own
+forward is timed at 1 and 4 rows (a decoding step and a k = 3 verification) with every option,
+and the fastest is kept:
+
+  grain_macs  how a product's rows are split between threads (multiply-adds per task: small
+              matrices on one thread, or spread); only with more than one thread
+  pair_nsb    from which K the verification tile pairs two Q4_Kx8 row groups (`x8_tile2`, the
+              AVX-512 VNNI build; options: never, or from each K of the model's Q4_K matrices)
+
+The choice is cached in `tuning.json` in the model cache (`$MTPLLM_CACHE`, ~/.cache/mtpllm;
+`$MTPLLM_TUNING_CACHE` names the file), keyed by the CPU model and flags, the kernels' build
+(instruction set and a digest of their sources), the thread count and the model's matrix shapes:
+another machine, build or model times again. An entry that is not what it should be (unreadable
+file, a checksum that does not match, a choice that is not among the options or not the fastest of
+its own timings) is timed again and rewritten. MTPLLM_TUNE=0 keeps the built-in defaults.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import kernels
+
+NEVER = 1 << 30  # pair_nsb: no K is long enough
+GRAIN_OPTIONS = (65536, 262144, 1048576)
+ROWS = (1, 4)
+REPS = 5
+VERSION = 1
+
+
+def cache_path() -> Path:
+    p = os.environ.get("MTPLLM_TUNING_CACHE")
+    if p:
+        return Path(p)
+    from ..registry import cache_dir
+    return cache_dir() / "tuning.json"
+
+
+def _cpu_identity() -> dict:
+    name, flags = "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "?":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": name, "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def _gguf_linears(model):
+    from .linear import Linear
+    return [m for m in model.modules() if isinstance(m, Linear) and m.kind == "gguf"]
+
+
+def shapes(model) -> list:
+    """The model's kernel products: (types, rows, K) each, sorted."""
+    return sorted({(tuple(int(t) for t in m._gt), int(m.out_features), int(m.in_features))
+                   for m in _gguf_linears(model)})
+
+
+def choices(model) -> dict[str, list[int]]:
+    """The choices that exist for this model on this build and thread count, with their options."""
+    out = {}
+    if torch.get_num_threads() > 1:
+        out["grain_macs"] = list(GRAIN_OPTIONS)
+    if kernels.paired_tiles():
+        nsbs = {m.in_features // 256 for m in _gguf_linears(model) if kernels.Q4_KX8 in m._gt}
+        opts = sorted({NEVER} | {n - 1 for n in nsbs})  # pair_nsb = n - 1: paired from K = 256 n on
+        if len(opts) > 1:
+            out["pair_nsb"] = opts
+    return out
+
+
+def forward_timer(model, rows=ROWS):
+    """ms of the model's forward at each row count in `rows`, added up (a scratch cache, reset)."""
+    cache = model.make_cache(max(rows) + 1)
+    toks = {r: torch.ones(r, dtype=torch.long) for r in rows}
+
+    @torch.inference_mode()
+    def run() -> float:
+        total = 0.0
+        for r in rows:
+            t0 = time.perf_counter()
+            model(toks[r], cache)
+            total += time.perf_counter() - t0
+            cache.reset()
+        return total * 1e3
+    return run
+
+
+def _check(key: dict, choice, ms: dict) -> str:
+    return hashlib.sha256(json.dumps([key, choice, ms], sort_keys=True).encode()).hexdigest()[:32]
+
+
+def valid_entry(entry, key: dict, options: list[int]) -> bool:
+    """An entry is used only if it is for this key, intact, and its choice is the fastest of its own timings."""
+    try:
+        ms, choice = entry["ms"], entry["choice"]
+        if entry["key"] != key or entry["check"] != _check(key, choice, ms):
+            return False
+        if sorted(ms) != sorted(str(o) for o in options) or choice not in options:
+            return False
+        vals = [float(v) for v in ms.values()]
+        if not all(math.isfinite(v) and v > 0 for v in vals):
+            return False
+        return float(ms[str(choice)]) == min(vals)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def _load(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def _save(path: Path, entries: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"version": VERSION, "entries": entries}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the choice is timed again next time
+
+
+def tune(model, path: Path | None = None, timer=None, reps: int = REPS) -> dict:
+    """Choose every kernel choice that exists for `model` (cached, or timed now) and apply it.
+    timer(name, value) -> ms, when given, replaces the timing of the model's forward (tests).
+    Returns {name: {"choice": value, "ms": {option: ms}, "cached": bool}}."""
+    path = path or cache_path()
+    opts = choices(model)
+    if not opts:
+        return {}
+    base = {**_cpu_identity(), "build": kernels.build_id(), "threads": torch.get_num_threads(),
+            "shapes": hashlib.sha256(json.dumps(shapes(model)).encode()).hexdigest()[:16], "version": VERSION}
+    entries = _load(path)
+    run = forward_timer(model) if timer is None else None
+    out, changed = {}, False
+    for name, options in opts.items():
+        key = {**base, "choice": name, "options": options}
+        kid = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        entry = entries.get(kid)
+        if valid_entry(entry, key, options):
+            kernels.tuning(name, entry["choice"])
+            out[name] = {"choice": entry["choice"], "ms": entry["ms"], "cached": True}
+            continue
+        best = {o: math.inf for o in options}
+        old = kernels.tuning(name)
+        try:
+            for _ in range(reps if timer is None else 1):  # options interleaved: drift falls on all alike
+                for o in options:
+                    kernels.tuning(name, o)
+                    best[o] = min(best[o], float(timer(name, o)) if timer is not None else run())
+        except Exception:
+            kernels.tuning(name, old)
+            raise
+        choice = min(options, key=lambda o: (best[o], options.index(o)))
+        ms = {str(o): best[o] for o in options}
+        kernels.tuning(name, choice)
+        entries[kid] = {"key": key, "choice": choice, "ms": ms, "check": _check(key, choice, ms)}
+        out[name] = {"choice": choice, "ms": ms, "cached": False}
+        changed = True
+    if changed:
+        _save(path, entries)
+    return out
+
+
+def tune_at_load(model) -> None:
+    """`tune` for a model just loaded on the compressed kernels, unless MTPLLM_TUNE=0. A failure keeps
+    the defaults with a warning: it never stops a load."""
+    if os.environ.get("MTPLLM_TUNE", "1") == "0" or not kernels.available():
+        return
+    if not _gguf_linears(model):
+        return
+    try:
+        tune(model)
+    except Exception as e:  # noqa: BLE001
+        print(f"mtpllm: warning: timing the kernel choices failed, keeping the defaults ({type(e).__name__}: {e})",
+              file=sys.stderr)

@@ -1,0 +1,278 @@
+"""The draft length chosen step by step from costs and expected acceptance (`policy: "cost"`).
+
+A step that verifies k drafts emits E(k) = 1 + a1 + a1 a2 + ... + a1..ak tokens on average
+(a_i: the chance that draft i is accepted once drafts 1..i-1 were) and costs
+C(k) = T(k + 1 rows) / T(1 row) + k * d (d: drafting one token, in units of a one-row step).
+The policy picks the k with the most tokens per unit of time, E(k) / C(k); k = 0 is a plain step,
+E = C = 1, so a draft is verified only when it is expected to pay for its rows.
+
+The three inputs:
+
+- costs: the target's forward (with its logits) timed on this machine at 1..K+1 rows, at the
+  sequence's own depth (attention grows with the cache, so the table is re-measured each time the
+  depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
+  is measured once per model and depth band and cached, so two requests that see the same tokens
+  make the same choices.
+- the head's confidence: the probability it gives each draft. Before a draft is kept, its
+  expected acceptance is that probability times this request's calibration at its position
+  (accepted / sum of confidences so far; heads are over-confident at long contexts they were not
+  trained on), and drafting stops at the first draft whose expected tokens do not pay its row.
+- this request's acceptance: per position, the (discounted) share of verified drafts accepted.
+  Before drafting, when even the best k on that record does not beat a plain step, the step is
+  plain and nothing is drafted. A single-draft probe every few plain steps (4, doubling up to 64
+  while probes fail or do not pay) notices when the drafts become good again. Where even drafts
+  sure to be accepted would not pay for their rows, nothing is drafted at all.
+
+Losslessness does not depend on any of this: which drafts are verified is decided from the drafts
+and past steps only, never from the target's distribution at the verified positions.
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+GAMMA = 0.9  # discount of a position's older observations per new one (~10 of memory)
+PRIOR = 0.6  # acceptance assumed before any verification, weight PRIOR_N observations
+PRIOR_N = 2.0
+CALIB_N = 2.0  # observations' worth of trust in the head's own confidence (a calibration of 1)
+PROBE_MIN, PROBE_MAX = 4, 64  # plain steps between single-draft probes while drafts do not pay
+DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyond gets its own
+DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
+REPS = 3  # timings per row count (the fastest is kept)
+
+
+def depth_band(depth: int) -> int:
+    """0 for depth < 512, then 1 per doubling: [512, 1024) -> 1, [1024, 2048) -> 2, ..."""
+    return max(0, int(depth).bit_length() - (DEPTH_BAND0.bit_length() - 1))
+
+
+def expected_tokens(acc: list[float]) -> list[float]:
+    """E(k) for k = 0..len(acc): tokens a step emits when it verifies k drafts."""
+    out, e, p = [1.0], 1.0, 1.0
+    for a in acc:
+        p *= a
+        e += p
+        out.append(e)
+    return out
+
+
+def best_k(acc: list[float], rows: list[float], draft: float) -> int:
+    """The k in 0..min(len(acc), len(rows) - 1) with the most tokens per unit of time.
+    acc[i]: chance that draft i + 1 is accepted given the earlier ones were; rows[r - 1]: the cost
+    of an r-row step relative to one row (rows[0] == 1); draft: cost of drafting one token."""
+    e = expected_tokens(acc)
+    best, best_rate = 0, 1.0 / rows[0]
+    for k in range(1, min(len(acc), len(rows) - 1) + 1):
+        rate = e[k] / (rows[k] + draft * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def keeps(i: int, a: float, e: float, p: float, rows: list[float], draft: float) -> bool:
+    """Whether draft i (0-based), accepted with chance a once drafts 0..i-1 (which give e expected
+    tokens, all accepted with chance p) are, is worth its verification row. The draft's own cost is
+    spent already and counts on both sides."""
+    if i + 1 >= len(rows):
+        return False
+    spent = draft * (i + 1)
+    return (e + p * a) / (rows[i + 1] + spent) > e / (rows[i] + spent)
+
+
+@dataclass
+class Costs:
+    rows: list[float]  # cost of r rows relative to one, r = 1..len
+    draft: float  # drafting one token, relative to a one-row step
+    step_ms: float = 0.0  # the one-row step measured
+
+
+class StepCosts:
+    """The costs of one model on this machine by depth band: measured on first use (`measure`), or
+    given (`fixed`: the same at every depth, never timed)."""
+
+    def __init__(self, fixed: Costs | None = None):
+        self.fixed = fixed
+        self.rows: dict[int, tuple[list[float], float]] = {}  # band -> (row costs, one-row ms)
+        self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
+        self.timings = 0  # measurements run (observability, tests)
+
+    def get(self, depth: int, n_rows: int, key) -> Costs | None:
+        if self.fixed is not None:
+            return self.fixed
+        band = depth_band(depth)
+        measured = [b for b in self.rows if b <= band and len(self.rows[b][0]) >= n_rows]
+        if not measured:
+            return None
+        b = max(measured)
+        rows, ms = self.rows[b]
+        d_ms = self.draft_ms.get((key, b))
+        return Costs(rows[:n_rows], DEFAULT_DRAFT if d_ms is None else d_ms / ms, ms)
+
+    def needs(self, depth: int, n_rows: int, key) -> bool:
+        if self.fixed is not None:
+            return False
+        band = depth_band(depth)
+        got = self.rows.get(band)
+        return got is None or len(got[0]) < n_rows or (key, band) not in self.draft_ms
+
+    @torch.inference_mode()
+    def measure(self, engine, seq, n_rows: int, proposer, key, reps: int = REPS) -> bool:
+        """Time the target's forward + logits at 1..n_rows rows on the sequence's own cache (rolled
+        back after each), and one drafted token of the proposer. False when the cache has no room."""
+        cache = seq.slot.cache
+        n_rows = min(n_rows, cache.max_len - cache.length - 1)
+        if n_rows < 1 or seq.x0 is None:
+            return False
+        from ..runtime.kv_cache import KVCache
+        by_trim = type(cache) is KVCache and not any(cache.ring)
+        model, dev = engine.model, engine.device
+        band = depth_band(cache.length)
+        have = self.rows.get(band)
+        timed = have is None or len(have[0]) < n_rows  # else only the proposer is timed
+        best = [math.inf] * n_rows
+        hidden = None
+        for _ in range(reps if timed else 1):
+            for r in range(1, (n_rows if timed else 1) + 1):
+                snap = None if by_trim else cache.snapshot()
+                t0 = time.perf_counter()
+                h = model(torch.full((r,), int(seq.x0), dtype=torch.long, device=dev), cache)
+                model.logits(h)
+                best[r - 1] = min(best[r - 1], time.perf_counter() - t0)
+                if by_trim:
+                    cache.trim(r)
+                else:
+                    cache.restore(snap)
+                if r == 1:
+                    hidden = h
+        if timed:
+            one = max(best[0], 1e-9)
+            self.rows[band] = ([t / one for t in best], one * 1e3)
+        probe = getattr(proposer, "probe_ms", None)
+        if probe is None:  # n-gram lookup: nothing worth timing
+            self.draft_ms[(key, band)] = 0.0
+        else:
+            ms = [m for m in (probe(seq.draft, hidden, int(seq.x0)) for _ in range(reps)) if m is not None]
+            self.draft_ms[(key, band)] = min(ms) if ms else None  # None: not timed (DEFAULT_DRAFT)
+        self.timings += 1
+        return True
+
+
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def step_costs(engine) -> StepCosts:
+    """The engine's model's cost table (one per model, shared by every decoder built on it)."""
+    c = _COSTS.get(engine.model)
+    if c is None:
+        c = _COSTS[engine.model] = StepCosts()
+    return c
+
+
+def set_step_costs(engine, rows: list[float] | None, draft: float = 0.0) -> None:
+    """Give the engine's model fixed costs instead of measured ones (rows[r - 1]: r rows relative to
+    one; draft: one drafted token), or None to measure again."""
+    _COSTS[engine.model] = StepCosts(None if rows is None else Costs([float(x) for x in rows], float(draft)))
+
+
+@dataclass
+class PolicyState:
+    """One sequence's record: discounted counts per draft position."""
+    reached: list[float] = field(default_factory=list)  # verified with every earlier draft accepted
+    accepted: list[float] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)  # sum of the head's confidence in those
+    idle: int = 0  # plain steps since the last verified draft
+    wait: int = PROBE_MIN  # plain steps before the next probe
+    probing: bool = False
+    probe_ok: bool = False  # the last probe's draft was accepted
+    confs: list[float] = field(default_factory=list)  # confidences of this step's kept drafts
+
+    def _grow(self, n: int) -> None:
+        while len(self.reached) < n:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+            self.confidence.append(0.0)
+
+    def acceptance(self, k: int) -> list[float]:
+        """Per position, this request's acceptance so far (PRIOR before any observation)."""
+        self._grow(k)
+        return [(self.accepted[i] + PRIOR_N * PRIOR) / (self.reached[i] + PRIOR_N) for i in range(k)]
+
+    def calibrated(self, i: int, conf: float) -> float:
+        """The chance that draft i is accepted, from the head's confidence in it and how this
+        request's accepted drafts compared with the head's confidence so far."""
+        self._grow(i + 1)
+        r, a, c = self.reached[i], self.accepted[i], self.confidence[i]
+        if r < 0.5:  # hardly verified at this position yet: all positions together
+            r, a, c = sum(self.reached), sum(self.accepted), sum(self.confidence)
+        if r <= 0 or c <= 0:
+            return min(1.0, max(0.0, conf))  # nothing verified: the head's word
+        # accepted / expected, in units of observations, pulled towards 1 by CALIB_N of them
+        scale = (a * r / c + CALIB_N) / (r + CALIB_N)
+        return min(1.0, max(0.0, conf * scale))
+
+    def observe(self, confs: list[float], n_accepted: int) -> None:
+        """A verification of len(confs) drafts of which the first n_accepted were accepted."""
+        n = len(confs)
+        if n == 0:
+            self.idle += 1
+            self.probing = False
+            return
+        self._grow(n)
+        for i in range(min(n, n_accepted + 1)):  # positions reached: older observations weigh less
+            self.reached[i] *= GAMMA
+            self.accepted[i] *= GAMMA
+            self.confidence[i] *= GAMMA
+            self.reached[i] += 1.0
+            self.confidence[i] += confs[i]
+            if i < n_accepted:
+                self.accepted[i] += 1.0
+        if self.probing:  # a rejected probe: probe half as often; an accepted one: see `limit`
+            if n_accepted:
+                self.probe_ok = True
+            else:
+                self.wait = min(2 * self.wait, PROBE_MAX)
+        self.probing = False
+        self.idle = 0
+
+
+class CostPolicy:
+    """Plans a step for a sequence: `limit(state, costs, k_max)` -> how many drafts to ask for (0:
+    a plain step), then `keep(...)` per draft while drafting; `observe` after verification."""
+
+    @staticmethod
+    def limit(st: PolicyState, costs: Costs, k_max: int) -> int:
+        k_max = min(k_max, len(costs.rows) - 1)
+        if k_max <= 0 or best_k([1.0] * k_max, costs.rows, costs.draft) == 0:
+            return 0  # rows so dear that even drafts sure to be accepted would not pay
+        # after `wait` plain steps the first draft is verified whatever its confidence says: the
+        # record only learns from verified drafts
+        st.probing = st.idle >= st.wait
+        gate = best_k(st.acceptance(k_max), costs.rows, costs.draft) > 0
+        if st.probe_ok:  # the last probe was accepted: probe often again only if drafting now pays
+            st.probe_ok = False
+            if gate:
+                st.wait = PROBE_MIN
+        if gate:
+            return k_max
+        return 1 if st.probing else 0  # the record says plain: one draft now and then
+
+    @staticmethod
+    def keeper(st: PolicyState, costs: Costs):
+        """The per-draft test for this step: keep(i, confidence) -> bool, recording kept confidences."""
+        st.confs = []
+        e, p = 1.0, 1.0
+
+        def keep(i: int, conf: float) -> bool:
+            nonlocal e, p
+            a = st.calibrated(i, conf)
+            if not (st.probing and i == 0) and not keeps(i, a, e, p, costs.rows, costs.draft):
+                return False
+            p *= a
+            e += p
+            st.confs.append(float(conf))
+            return True
+        return keep

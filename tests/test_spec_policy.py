@@ -1,0 +1,315 @@
+"""The cost policy's choice of draft length: the arithmetic on given costs and acceptances
+(deterministic, nothing timed), its convergence to plain steps under bad drafts and to the full
+draft length under good ones, and the same on tiny real models (costs given through
+`set_step_costs`, the seam that replaces the timing)."""
+import pytest
+
+from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.sampling import SamplingParams
+from mtpllm.speculative import SpecConfig
+from mtpllm.speculative.policy import (PROBE_MAX, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
+                                       expected_tokens, keeps, set_step_costs, step_costs)
+from tiny import make_tiny
+
+GREEDY = dict(temperature=0, max_tokens=60, ignore_eos=True)
+PROMPT = "the cat the cat the cat sat on the mat; the cat sat on the"
+
+
+def test_expected_tokens_and_best_k_by_hand():
+    assert expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
+    rows = [1.0, 1.1, 1.5, 2.0]
+    # k = 1: 1.5 / 1.15 = 1.30 per unit; k = 2: 1.55 / 1.6 = 0.97; plain: 1
+    assert best_k([0.5, 0.1, 0.1], rows, 0.05) == 1
+    # drafts that are rarely accepted never beat a plain step: (1 + 0.1) / (1.1 + 0.05) < 1
+    assert best_k([0.1, 0.1, 0.1], rows, 0.05) == 0
+    # good drafts and cheap rows: k = 3 gives 1 + .9 + .81 + .729 = 3.44 tokens for 1.15 + .3
+    assert best_k([0.9, 0.9, 0.9], [1.0, 1.05, 1.1, 1.15], 0.1) == 3
+    # the same drafts where a row costs as much as a step: (1 + .9) / 2.1 < 1
+    assert best_k([0.9, 0.9, 0.9], [1.0, 2.0, 3.0, 4.0], 0.1) == 0
+    # never more than the rows measured
+    assert best_k([0.9] * 5, [1.0, 1.05], 0.0) == 1
+
+
+def test_keep_rule_is_the_break_even_of_one_more_row():
+    rows, d = [1.0, 1.2, 1.4], 0.1
+    # draft 0 pays when (1 + a) / (1.2 + .1) > 1 / (1 + .1), i.e. a > 1.3 / 1.1 - 1 = 0.1818...
+    edge = (rows[1] + d) / (rows[0] + d) - 1
+    assert keeps(0, edge + 1e-6, 1.0, 1.0, rows, d)
+    assert not keeps(0, edge - 1e-6, 1.0, 1.0, rows, d)
+    # beyond the rows measured nothing is kept
+    assert not keeps(2, 1.0, 3.0, 1.0, rows, d)
+
+
+def _run(policy_state, costs, k_max, steps, accept, conf=0.9):
+    """Drive the policy: each step asks for a draft length, keeps drafts of confidence `conf` while
+    the keep rule says so, and `accept(step, n_kept)` says how many the target accepted."""
+    chosen = []
+    for t in range(steps):
+        k = CostPolicy.limit(policy_state, costs, k_max)
+        keep = CostPolicy.keeper(policy_state, costs)
+        n = 0
+        while n < k and keep(n, conf):
+            n += 1
+        policy_state.observe(policy_state.confs[:n], accept(t, n))
+        chosen.append(n)
+    return chosen
+
+
+COSTS = Costs([1.0, 1.1, 1.2, 1.3], 0.05)
+
+
+def test_bad_drafts_converge_to_plain_steps():
+    """An over-confident head whose drafts are never accepted: after a few steps the policy stops
+    drafting, and only single-draft probes remain, ever rarer (4, 8, ... up to 64 plain steps apart)."""
+    st = PolicyState()
+    chosen = _run(st, COSTS, 3, 400, lambda t, n: 0)
+    assert chosen[0] == 3  # the prior (60% acceptance) makes the first step draft
+    tail = chosen[200:]
+    assert set(tail) <= {0, 1}
+    assert sum(tail) <= len(tail) // PROBE_MAX + 1
+    assert st.wait == PROBE_MAX
+    assert st.calibrated(0, 0.9) < 0.2  # the head's 90% confidence is discounted
+
+
+def test_good_drafts_keep_the_full_length():
+    st = PolicyState()
+    chosen = _run(st, COSTS, 3, 100, lambda t, n: n)
+    assert chosen == [3] * 100
+
+
+def test_recovery_after_bad_stretch():
+    """Bad drafts for 300 steps, then drafts that are always right: the next probe succeeds and the
+    policy is back at the full length within one probe interval plus a few steps."""
+    st = PolicyState()
+    chosen = _run(st, COSTS, 3, 600, lambda t, n: 0 if t < 300 else n)
+    back = next(t for t in range(300, 600) if chosen[t] == 3)
+    assert back <= 300 + PROBE_MAX + 10
+    assert chosen[-50:] == [3] * 50
+
+
+def test_partly_good_drafts_stop_where_they_stop_paying():
+    """First drafts always right, later ones never: the policy settles on one draft per step."""
+    st = PolicyState()
+    chosen = _run(st, COSTS, 3, 200, lambda t, n: min(n, 1))
+    assert chosen[-100:].count(1) >= 95
+
+
+def test_no_drafts_where_rows_cost_a_step_each():
+    """Where a verification row costs as much as a step, not even drafts that are always accepted
+    pay: no step drafts, not even a probe."""
+    st = PolicyState()
+    assert _run(st, Costs([1.0, 2.0, 3.0, 4.0], 0.1), 3, 100, lambda t, n: n) == [0] * 100
+
+
+def test_accepted_probes_that_do_not_pay_stay_rare():
+    """Drafts accepted two times in five where a row costs 0.6 of a step ((1 + .4) / 1.7 < 1): the
+    policy stays plain, and probes get rarer although some of them are accepted."""
+    st = PolicyState()
+    chosen = _run(st, Costs([1.0, 1.6, 2.2, 2.8], 0.1), 3, 1000, lambda t, n: min(n, 1) if t % 5 < 2 else 0)
+    assert sum(1 for n in chosen[200:] if n) <= 800 // PROBE_MAX * 2
+
+
+def test_depth_bands():
+    assert [depth_band(d) for d in (0, 511, 512, 1023, 1024, 8192, 32768)] == [0, 0, 1, 1, 2, 5, 7]
+
+
+# ------------------------------------------------------------------ tiny real models
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return Engine.load(str(make_tiny(tiny_dir / "pol.gguf", "qwen2", seed=5, nextn=1, ctx=1024)), n_ctx=1024)
+
+
+def _plain(engine, params=GREEDY, prompt=PROMPT):
+    return engine.generate(prompt, SamplingParams(**params), chat=False)
+
+
+def test_bad_head_converges_to_plain_on_a_model(target):
+    """The tiny model's MTP block has random weights: its drafts are almost never accepted. With
+    verification rows as cheap as on a fast CPU, the default policy still ends up at plain steps."""
+    ref = _plain(target)
+    set_step_costs(target, [1.0, 1.1, 1.2, 1.3], 0.05)
+    try:
+        cfg = SpecConfig("mtp", 3)
+        assert cfg.policy == "cost"  # the default for MTP
+        out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=cfg.build(target))
+    finally:
+        set_step_costs(target, None)
+    assert out.tokens == ref.tokens
+    h = out.stats.k_hist
+    assert sum(h) == out.stats.num_steps
+    assert h[0] >= 0.8 * out.stats.num_steps  # mostly plain steps
+    assert "steps by drafts verified [0:" in out.stats.summary()
+    assert out.stats.to_dict()["draft_length_histogram"] == h
+
+
+@pytest.fixture(scope="module")
+def confident(tiny_dir):
+    """A tiny model with a peaked output distribution, and itself as its draft model: confident
+    drafts that are mostly accepted (three in four here)."""
+    e = Engine.load(str(make_tiny(tiny_dir / "pol-peaky.gguf", "qwen2", seed=5, ctx=1024, out_scale=0.6)), n_ctx=1024)
+    return e, SpecConfig("draft_model", 4, draft_model=str(e.model.source), policy="cost")
+
+
+def test_good_drafts_keep_k_high_on_a_model(confident):
+    """Good drafts and cheap drafting: the policy verifies the full draft length on (nearly) every step."""
+    engine, cfg = confident
+    params = dict(GREEDY, max_tokens=100)
+    ref = _plain(engine, params)
+    set_step_costs(engine, [1.0, 1.05, 1.1, 1.15, 1.2], 0.02)
+    try:
+        out = engine.generate(PROMPT, SamplingParams(**params), chat=False, speculative=cfg.build(engine))
+    finally:
+        set_step_costs(engine, None)
+    assert out.tokens == ref.tokens
+    h = out.stats.k_hist
+    assert h[4] >= 0.8 * sum(h)
+    assert out.stats.acceptance_rate > 0.5
+
+
+def test_same_drafts_where_drafting_costs_a_step(confident):
+    """The same drafts when drafting a token costs as much as a step: never worth it."""
+    engine, cfg = confident
+    set_step_costs(engine, [1.0, 1.05, 1.1, 1.15, 1.2], 1.0)
+    try:
+        out = engine.generate(PROMPT, SamplingParams(**dict(GREEDY, max_tokens=100)), chat=False,
+                              speculative=cfg.build(engine))
+    finally:
+        set_step_costs(engine, None)
+    h = out.stats.k_hist
+    assert h[0] >= 0.8 * sum(h)
+
+
+def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(target):
+    set_step_costs(target, None)
+    table = step_costs(target)
+    ref = _plain(target)
+    spec = SpecConfig("mtp", 3).build(target)
+    out = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec)
+    assert out.tokens == ref.tokens  # the timing forwards were rolled back
+    assert table.timings == 1
+    rows, one_ms = table.rows[0]
+    assert len(rows) == 4 and rows[0] == 1.0 and all(r > 0 for r in rows) and one_ms > 0
+    assert [v > 0 for (_, band), v in table.draft_ms.items() if band == 0] == [True]  # the head's draft too
+    # another request, another decoder on the same model: the table is reused, nothing re-timed
+    again = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=SpecConfig("mtp", 3).build(target))
+    assert again.tokens == ref.tokens and table.timings == 1
+    # a prompt past 512 tokens is another band: timed there once
+    long_prompt = list(range(3, 200)) * 3
+    ref_long = target.generate(prompt_ids=long_prompt, params=SamplingParams(**dict(GREEDY, max_tokens=8)))
+    out_long = target.generate(prompt_ids=long_prompt, params=SamplingParams(**dict(GREEDY, max_tokens=8)),
+                               speculative=spec)
+    assert out_long.tokens == ref_long.tokens
+    assert table.timings == 2 and 1 in table.rows
+
+
+def test_given_costs_are_never_timed():
+    t = StepCosts(Costs([1.0, 1.2], 0.1))
+    assert not t.needs(10_000, 2, "k") and t.get(10_000, 2, "k").rows == [1.0, 1.2]
+
+
+# ------------------------------------------------------------------ defaults: flags, chat and serve
+def _args(*argv, default_mtp=False):
+    import argparse
+
+    from mtpllm.speculative.config import add_spec_args
+    ap = argparse.ArgumentParser()
+    add_spec_args(ap, default_mtp=default_mtp)
+    return ap.parse_args(list(argv))
+
+
+def test_flags_and_defaults():
+    from mtpllm.errors import MtpllmError
+    from mtpllm.speculative.config import parse_speculative_json, spec_from_args
+    cfg = spec_from_args(_args("--spec-type", "draft-mtp"))
+    assert cfg.policy == "cost" and not cfg.auto
+    assert spec_from_args(_args("--spec-type", "draft-mtp", "--spec-policy", "fixed")).policy == "fixed"
+    assert spec_from_args(_args("--spec-type", "draft-mtp", "--spec-adaptive")).policy == "adaptive"
+    assert spec_from_args(_args("--spec-type", "ngram-simple")).policy == "fixed"
+    assert spec_from_args(_args("--spec-type", "ngram-simple,draft-mtp")).policy == "fixed"
+    assert parse_speculative_json('{"method":"mtp","policy":"fixed"}').policy == "fixed"
+    assert parse_speculative_json('{"method":"mtp","adaptive":true}').policy == "adaptive"
+    # run: nothing asked, nothing used
+    assert spec_from_args(_args()) is None
+    # chat / serve: MTP where the model has a head, unless turned off
+    cfg = spec_from_args(_args(default_mtp=True), default_mtp=True)
+    assert cfg.method == "mtp" and cfg.auto and cfg.policy == "cost"
+    cfg = spec_from_args(_args("--spec-draft-n-max", "5", "--spec-policy", "fixed", default_mtp=True), default_mtp=True)
+    assert cfg.auto and cfg.num_speculative_tokens == 5 and cfg.policy == "fixed"
+    assert spec_from_args(_args("--spec-type", "none", default_mtp=True), default_mtp=True) is None
+    assert not spec_from_args(_args("--spec-mtp-head", "h.gguf", default_mtp=True), default_mtp=True).auto
+    for argv, msg in [(("--spec-policy", "cost"), "without a method"),
+                      (("--spec-type", "draft-mtp", "--spec-adaptive", "--spec-policy", "cost"), "contradict")]:
+        with pytest.raises(MtpllmError, match=msg):
+            spec_from_args(_args(*argv))
+    with pytest.raises(MtpllmError, match="unknown draft-length policy"):
+        parse_speculative_json('{"method":"mtp","policy":"fast"}')
+    with pytest.raises(MtpllmError, match="policy"):
+        parse_speculative_json('{"method":"mtp","policy":3}')
+
+
+def test_default_speculation_needs_a_head(target, tiny_models):
+    assert SpecConfig("mtp", auto=True).usable(target)  # MTP layers in the file
+    plain = Engine.load(str(tiny_models["qwen2"]), n_ctx=64)
+    assert not SpecConfig("mtp", auto=True).usable(plain)
+    assert SpecConfig("mtp").usable(plain)  # asked for by name: tried (and fails with its message)
+
+
+def test_chat_speculates_by_default_where_the_model_has_a_head(target, tiny_models):
+    import subprocess
+    import sys
+
+    def chat(model, *extra):
+        r = subprocess.run([sys.executable, "-m", "mtpllm", "chat", "-m", str(model), "-n", "12", "--temp", "0",
+                            "--timings", *extra], input="hello\n/exit\n", capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r
+    with_head, off = chat(target.model.source), chat(target.model.source, "--spec-type", "none")
+    assert "steps by drafts verified" in with_head.stderr
+    assert "steps by drafts verified" not in off.stderr
+    assert with_head.stdout == off.stdout  # lossless
+    assert "steps by drafts verified" not in chat(tiny_models["qwen2"]).stderr  # no head: plain
+
+
+def test_bench_spec_names_a_policy():
+    from mtpllm.bench.runner import parse_spec, split_policy
+    from mtpllm.errors import MtpllmError
+    assert parse_spec("mtp:3~fixed") == ("mtp:3~fixed", "mtp", 3, None)
+    assert parse_spec("mtp:2@c0.3~adaptive") == ("mtp:2@c0.3~adaptive", "mtp", 2, None)
+    assert parse_spec("ngram:4+mtp:2~cost") == ("ngram:4+mtp:2~cost", "chain", 4, None)
+    assert split_policy("draft:~/m.gguf:2") == ("draft:~/m.gguf:2", None)  # a '~' of a path is no policy
+    with pytest.raises(MtpllmError, match="needs a method"):
+        parse_spec("none~fixed")
+
+
+def test_serve_speculates_by_default_where_the_model_has_a_head(target, tiny_models, tmp_path):
+    import httpx
+    from server_proc import ServerProcess
+    for model, extra, want in [(target.model.source, (), "mtp:3"), (target.model.source, ("--spec-type", "none"), None),
+                               (tiny_models["qwen2"], (), None)]:
+        s = ServerProcess(model, *extra, log_dir=tmp_path)
+        try:
+            assert httpx.get(s.url + "/props", timeout=30).json()["speculative"] == want
+            if want:
+                r = httpx.post(s.url + "/completion", json={"prompt": "the cat", "n_predict": 16, "temperature": 0},
+                               timeout=60).json()
+                assert r["timings"]["predicted_n"] == 16
+        finally:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_shipped_head_keeps_k_high_on_code_where_rows_are_cheap():
+    """The 0.5B's shipped head on a coding prompt, with the row costs of a fast CPU given (a 4-row
+    step 1.3x a 1-row step, as measured on an AVX-512 Zen 5; drafting 5% of a step): most steps verify
+    two or three drafts, and the output is plain decoding's."""
+    from mtpllm.registry import DEFAULT_MODEL
+    eng = Engine.load(DEFAULT_MODEL, n_ctx=1024)
+    ids = eng.encode_prompt(messages=[{"role": "user", "content": "Write a Python function that merges "
+                                       "overlapping intervals, with a docstring and tests."}])
+    p = SamplingParams(temperature=0, max_tokens=96)
+    ref = eng.generate(prompt_ids=ids, params=p)
+    set_step_costs(eng, [1.0, 1.1, 1.2, 1.3], 0.05)
+    out = eng.generate(prompt_ids=ids, params=p, speculative=SpecConfig("mtp", 3).build(eng))
+    assert out.tokens == ref.tokens
+    h = out.stats.k_hist
+    assert h[2] + h[3] >= 0.6 * sum(h), h

@@ -1,0 +1,174 @@
+"""Kernel choices by timing (runtime/tuning.py) on a tiny real model: the cheaper option is picked
+(timings given through the `timer` seam), a cached choice is reused without timing, a wrong or
+corrupt entry is timed again, and every option computes the same bits."""
+import json
+
+import pytest
+import torch
+
+from mtpllm.models import load_model
+from mtpllm.runtime import kernels, tuning
+from tiny import make_tiny
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(make_tiny(tiny_dir / "tune.gguf", "qwen2", seed=8), "fast")
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+class Timer:
+    """Given timings per (choice, option): the cheapest is the one set to cost least."""
+
+    def __init__(self, cheapest: dict):
+        self.cheapest = cheapest
+        self.calls = 0
+
+    def __call__(self, name, value):
+        self.calls += 1
+        return 1.0 if value == self.cheapest.get(name) else 2.0 + value % 7
+
+
+def _restore():
+    kernels.tuning("grain_macs", 262144)
+    kernels.tuning("pair_nsb", 8)
+
+
+def test_the_cheaper_option_is_chosen_and_set(model, tmp_path, two_threads):
+    opts = tuning.choices(model)
+    assert opts["grain_macs"] == list(tuning.GRAIN_OPTIONS)  # two threads: a real choice
+    want = {name: o[0] for name, o in opts.items()}
+    try:
+        t = Timer(want)
+        got = tuning.tune(model, tmp_path / "t.json", timer=t)
+        assert {n: g["choice"] for n, g in got.items()} == want
+        assert all(not g["cached"] for g in got.values())
+        assert t.calls == sum(len(o) for o in opts.values())
+        for name, v in want.items():
+            assert kernels.tuning(name) == v  # applied to the kernels
+        # another cheapest option, another file: the other one is chosen
+        want2 = {name: o[-1] for name, o in opts.items()}
+        got2 = tuning.tune(model, tmp_path / "t2.json", timer=Timer(want2))
+        assert {n: g["choice"] for n, g in got2.items()} == want2
+        assert kernels.tuning("grain_macs") == want2["grain_macs"]
+    finally:
+        _restore()
+
+
+def test_a_cached_choice_is_reused_without_timing(model, tmp_path, two_threads):
+    path = tmp_path / "t.json"
+    try:
+        tuning.tune(model, path, timer=Timer({"grain_macs": 1048576}))
+        kernels.tuning("grain_macs", 262144)
+        t = Timer({"grain_macs": 65536})  # would choose another option if it were asked
+        got = tuning.tune(model, path, timer=t)
+        assert t.calls == 0 and got["grain_macs"] == {**got["grain_macs"], "choice": 1048576, "cached": True}
+        assert kernels.tuning("grain_macs") == 1048576
+        # one thread: no choice of thread split exists, nothing is timed or set
+        torch.set_num_threads(1)
+        assert "grain_macs" not in tuning.tune(model, path, timer=t) and t.calls == 0
+    finally:
+        _restore()
+
+
+def _tamper(path, fn):
+    data = json.loads(path.read_text())
+    for e in data["entries"].values():
+        fn(e)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "choice_not_fastest", "choice_not_an_option", "timing_changed",
+                                    "other_build"])
+def test_a_wrong_or_corrupt_entry_is_timed_again(model, tmp_path, two_threads, damage):
+    path = tmp_path / "t.json"
+    try:
+        tuning.tune(model, path, timer=Timer({"grain_macs": 65536}))
+        if damage == "garbage":
+            path.write_text('{"version": 1, "entries": {"x": [')
+        elif damage == "choice_not_fastest":  # consistent checksum, but the choice is not its own fastest
+            def f(e):
+                e["choice"] = 1048576
+                e["check"] = tuning._check(e["key"], e["choice"], e["ms"])
+            _tamper(path, f)
+        elif damage == "choice_not_an_option":
+            def f(e):
+                e["choice"] = 12345
+                e["ms"] = {k: 5.0 for k in e["ms"]} | {"12345": 0.1}
+                e["check"] = tuning._check(e["key"], e["choice"], e["ms"])
+            _tamper(path, f)
+        elif damage == "timing_changed":  # edited without updating the checksum
+            _tamper(path, lambda e: e["ms"].update({"1048576": 0.01}))
+        else:  # an entry made for another build of the kernels, moved under this key
+            def f(e):
+                e["key"] = dict(e["key"], build="avx2-0000000000000000")
+                e["check"] = tuning._check(e["key"], e["choice"], e["ms"])
+            _tamper(path, f)
+        t = Timer({"grain_macs": 262144})
+        got = tuning.tune(model, path, timer=t)
+        assert t.calls > 0 and got["grain_macs"]["choice"] == 262144 and not got["grain_macs"]["cached"]
+        # rewritten: the next load uses it
+        t2 = Timer({"grain_macs": 65536})
+        assert tuning.tune(model, path, timer=t2)["grain_macs"]["cached"] and t2.calls == 0
+    finally:
+        _restore()
+
+
+def test_every_option_gives_the_same_bits(model, two_threads):
+    """Decoding and verification rows with each option of each choice that exists here: identical."""
+    x = {r: torch.tensor([3, 17, 99, 5][:r]) for r in (1, 4)}
+    prompt = torch.arange(20, 60)
+
+    def run():
+        cache = model.make_cache(64)
+        with torch.inference_mode():
+            model(prompt, cache)
+            out = [model(x[1], cache).clone()]
+            out.append(model(x[4], cache).clone())
+        return out
+
+    try:
+        ref = None
+        for name, options in tuning.choices(model).items():
+            for o in options:
+                kernels.tuning(name, o)
+                got = run()
+                if ref is None:
+                    ref = got
+                assert all(torch.equal(a, b) for a, b in zip(ref, got)), (name, o)
+            _restore()
+    finally:
+        _restore()
+
+
+def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, two_threads):
+    """Engine.load times the choices (really) and caches them; a second load reads the cache."""
+    from mtpllm.runtime.engine import Engine
+    path = tmp_path / "load.json"
+    monkeypatch.setenv("MTPLLM_TUNING_CACHE", str(path))
+    monkeypatch.delenv("MTPLLM_TUNE", raising=False)
+    src = make_tiny(tiny_dir / "tune2.gguf", "qwen2", seed=9)
+    try:
+        Engine.load(str(src), n_ctx=64)
+        entries = json.loads(path.read_text())["entries"]
+        assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs"}
+        for e in entries.values():
+            assert tuning.valid_entry(e, e["key"], e["key"]["options"])
+        before = path.read_text()
+        Engine.load(str(src), n_ctx=64)
+        assert path.read_text() == before  # nothing timed again
+        monkeypatch.setenv("MTPLLM_TUNE", "0")
+        path.unlink()
+        Engine.load(str(src), n_ctx=64)
+        assert not path.exists()
+    finally:
+        _restore()
