@@ -143,7 +143,7 @@ def test_mtp_block_runs_on_the_stack_and_speculation_stays_greedy_identical(file
     ids = eng.encode_prompt("the fox = the fox", chat=False)
     ref = eng.generate(prompt_ids=ids, params=p).tokens
     for k in (1, 3, 6):
-        spec = SpecConfig("mtp", k).build(eng)
+        spec = SpecConfig("mtp", k, policy="fixed").build(eng)
         out = eng.generate(prompt_ids=ids, params=p, speculative=spec)
         assert out.tokens == ref, k
         assert isinstance(spec.proposer.head.block._native, torch.ScriptObject)
@@ -160,7 +160,7 @@ def test_scheduler_serves_hybrid_sequences_as_alone(files):
     from mtpllm.speculative import SpecConfig
     path = files["qwen35"]["q8"]
     eng = Engine(_native_only(load_model(path, "fast")), GGUFTokenizer(GGUFFile(path).metadata, "qwen35"), 128)
-    spec = SpecConfig("mtp", 3).build(eng)
+    spec = SpecConfig("mtp", 3, policy="fixed").build(eng)
     prompts = [eng.encode_prompt(t, chat=False) for t in ("the fox = the fox", "a b c a b", "the the the", "fox")]
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
     want = []

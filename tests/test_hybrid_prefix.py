@@ -74,7 +74,7 @@ def test_a_longer_prompt_restarts_from_the_snapshot(model_dir):
 def test_reuse_with_speculation_keeps_greedy_identity(model_dir):
     eng = _engine(model_dir)
     ref = _engine(model_dir).generate(prompt_ids=P, params=GREEDY).tokens
-    spec = SpecConfig("mtp", 3).build(eng)
+    spec = SpecConfig("mtp", 3, policy="fixed").build(eng)
     assert eng.generate(prompt_ids=P, params=GREEDY, speculative=spec).tokens == ref
     out = eng.generate(prompt_ids=P, params=GREEDY, speculative=spec)
     assert out.timings.cached_n == len(P) - 1 and out.tokens == ref

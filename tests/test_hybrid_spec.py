@@ -55,7 +55,7 @@ def peaky(tmp_path_factory):
 
 
 def _samples(engine, k, seed0):
-    spec = SpecConfig("mtp", k).build(engine) if k else None
+    spec = SpecConfig("mtp", k, policy="fixed").build(engine) if k else None
     stats = SpecStats()
     out = []
     for s in range(N):
@@ -134,7 +134,7 @@ def acceptance(gguf, k=1, n=48) -> float:
     st = SpecStats()
     for ids in EVAL_PROMPTS:
         out = eng.generate(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                           speculative=SpecConfig("mtp", k).build(eng))
+                           speculative=SpecConfig("mtp", k, policy="fixed").build(eng))
         st.merge(out.stats)
     return st.acceptance_rate
 

@@ -113,7 +113,7 @@ def llama_complete(url: str, ids: list[int], n: int) -> tuple[list[int], dict]:
 def ours(gguf: Path, ids: list[int], n: int, k: int = 0):
     """Greedy completion by this engine -> (token ids, our top-2 logit margin at each, speculative stats)."""
     eng = Engine.load(str(gguf), n_ctx=256)
-    spec = SpecConfig("mtp", k).build(eng) if k else None
+    spec = SpecConfig("mtp", k, policy="fixed").build(eng) if k else None
     out = eng.generate(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                        speculative=spec)
     m = eng.model

@@ -279,7 +279,7 @@ def _ref_logprobs(engine, ids, n, top):
 def test_logprobs_over_http_are_the_engines(engine, spec):
     """`n_probs` (/completion), `logprobs` (/v1/completions), `logprobs` + `top_logprobs` (chat),
     streamed and not: the engine's plain-decoding values exactly, whatever speculation serves them."""
-    c = TestClient(create_app(Server(engine, "srv.gguf", SpecConfig(spec, 3) if spec else None)))
+    c = TestClient(create_app(Server(engine, "srv.gguf", SpecConfig(spec, 3, policy="fixed") if spec else None)))
     prompt = "the cat the cat the cat sat on the"
     ref = _ref_logprobs(engine, engine.tokenizer.encode(prompt), 12, 3)
     assert len(ref) == 12

@@ -75,7 +75,7 @@ def test_metrics_add_up_after_concurrent_requests(model):
     pytest.importorskip("prometheus_client")
     from server_proc import metric_sum
     eng = Engine.load(model, n_ctx=128)
-    server = Server(eng, "par", SpecConfig("ngram", 2, fallback=SpecConfig("mtp", 3)), parallel=3)
+    server = Server(eng, "par", SpecConfig("ngram", 2, fallback=SpecConfig("mtp", 3, policy="fixed"), policy="fixed"), parallel=3)
     label = server.spec_label
     out = [None] * 6
 
