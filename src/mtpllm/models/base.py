@@ -27,7 +27,8 @@ from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
 from ..runtime.linear import GEMM_MIN_ROWS, NATIVE_TYPES, Linear, make_linear
 from .config import ModelConfig, config_from_gguf
-from .layers import MLP, Attention, Block, RMSNorm, Rotary, cached_stack, native_rows, rope_inv_freq, run_stack
+from .layers import (MLP, Attention, Block, RMSNorm, Rotary, batch_rows, cached_stack, native_rows, rope_inv_freq,
+                     run_stack)
 
 ARCH_NAMES = ("qwen2", "qwen3", "llama", "gemma3", "qwen35", "qwen35moe", "qwen3next")
 
@@ -70,6 +71,7 @@ class Embedding(nn.Module):
             out = gq.dequantize(rows, self.qtype)
         e = torch.from_numpy(np.array(out, dtype=np.float32)).reshape(len(idx), self.dim).to(tokens.device)
         return e * self.scale if self.scale != 1.0 else e
+
 
 
 def cache_windows(cfg: ModelConfig) -> tuple[int, ...]:
@@ -133,12 +135,7 @@ class Transformer(nn.Module):
         T_s positions in each cache. Where every cache and block is covered by the C++ decode path,
         the matrix products run once over all rows and attention per sequence (each row's result
         is bit for bit what it gets alone); otherwise the sequences run one after another."""
-        if len(tokens) != len(caches) or not caches:
-            raise MtpllmError(f"forward_batch: {len(tokens)} token lists for {len(caches)} caches")
-        rows = [int(t.shape[0]) for t in tokens]
-        for c, T in zip(caches, rows):
-            if T <= 0 or c.length + T > c.max_len:
-                raise MtpllmError(f"context overflow: {c.length} + {T} tokens exceed the context size {c.max_len}")
+        rows = batch_rows(tokens, caches)
         x = self.embed(torch.cat(tokens)) if len(caches) > 1 else None
         stack = None
         if x is not None and max(rows) < GEMM_MIN_ROWS and all(native_rows(x[:1], c) for c in caches):

@@ -292,3 +292,15 @@ def run_stack(stack, rotary: Rotary, x: torch.Tensor, start: int, kv: KVCache, f
         raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
     cos, sin = rotary.tables(start + T, x.device)
     return stack.forward(x, kv.k[first:first + count], kv.v[first:first + count], cos, sin, start, 0, count)
+
+
+def batch_rows(tokens: list, caches: list) -> list[int]:
+    """`forward_batch`'s argument checks: one token list per cache, each non-empty and fitting its
+    cache -> the row count of each sequence."""
+    if len(tokens) != len(caches) or not caches:
+        raise MtpllmError(f"forward_batch: {len(tokens)} token lists for {len(caches)} caches")
+    rows = [int(t.shape[0]) for t in tokens]
+    for c, T in zip(caches, rows):
+        if T <= 0 or c.length + T > c.max_len:
+            raise MtpllmError(f"context overflow: {c.length} + {T} tokens exceed the context size {c.max_len}")
+    return rows

@@ -28,7 +28,7 @@ from ..runtime.linear import make_linear
 from .config import ModelConfig
 from . import hybrid_native
 from .deltanet import MLP, Concat, GatedAttention, GatedDeltaNet, HybridBlock, MoE, RMSNorm
-from .layers import Rotary, rope_inv_freq
+from .layers import Rotary, batch_rows, rope_inv_freq
 
 MAX_VERIFY_ROWS = 32  # recurrent state slots kept per layer: the longest verification block + 1
 
@@ -355,12 +355,7 @@ class HybridModel(nn.Module):
         positions in each cache. On the C++ path the matrix products run once over all rows, the
         delta rule and attention per sequence in its own cache (each row's result is bit for bit
         what it gets alone); otherwise the sequences run one after another."""
-        if len(tokens) != len(caches) or not caches:
-            raise MtpllmError(f"forward_batch: {len(tokens)} token lists for {len(caches)} caches")
-        rows = [int(t.shape[0]) for t in tokens]
-        for c, T in zip(caches, rows):
-            if T <= 0 or c.length + T > c.max_len:
-                raise MtpllmError(f"context overflow: {c.length} + {T} tokens exceed the context size {c.max_len}")
+        rows = batch_rows(tokens, caches)
         if len(caches) > 1:
             x = self.embed(torch.cat(tokens))
             if hybrid_native.native_rows(x, caches, rows):
