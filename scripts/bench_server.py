@@ -33,7 +33,8 @@ def one_request(client: httpx.Client, url: str, prompt: str, n: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
-    with client.stream("POST", f"{url}/completion", json=body) as r:
+    # a fresh connection per request: a server may close a kept-alive one after a stream
+    with client.stream("POST", f"{url}/completion", json=body, headers={"Connection": "close"}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: "):

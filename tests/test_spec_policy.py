@@ -202,6 +202,69 @@ def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(ta
     assert table.timings == 2 and 1 in table.rows
 
 
+def _cliff_timer(monkeypatch, calls):
+    """Forward times of a CPU whose rows are nearly free up to 5 and then cost a step each:
+    T(r) = 1 + 0.02 r ms for r <= 5, r ms beyond (the real forwards still run; only their times
+    are replaced, so the cache roll-back is the real one)."""
+    real = StepCosts._time_rows
+
+    def fake(engine, seq, counts, reps):
+        calls.append(tuple(counts))
+        _, hidden = real(engine, seq, counts, 1)
+        return {r: (1 + 0.02 * r if r <= 5 else float(r)) * 1e-3 for r in counts}, hidden
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
+
+
+def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatch):
+    """The same good drafts: alone, rows are cheap and the policy verifies 4 drafts a step; with 3
+    sequences in the step, 3 x 2 rows already fall past the cliff, so none of them drafts."""
+    from mtpllm.runtime.scheduler import Scheduler
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    calls = []
+    _cliff_timer(monkeypatch, calls)
+    params = SamplingParams(**dict(GREEDY, max_tokens=40))
+    ids = engine.tokenizer.encode(PROMPT)
+    spec = cfg.build(engine)
+    try:
+        engine.reset()
+        alone = engine.generate(prompt_ids=ids, params=params, speculative=spec)
+        assert alone.stats.k_hist[4] >= 0.8 * sum(alone.stats.k_hist)
+        assert calls == [(1, 2, 3, 4, 5)]  # the one-sequence table: 1..k+1 rows
+        engine.reset()
+        sched = Scheduler(engine, spec, n_slots=3)
+        try:
+            reqs = [sched.submit(ids, params) for _ in range(3)]
+            outs = [list(r) for r in reqs]
+        finally:
+            sched.shutdown(1)
+    finally:
+        set_step_costs(engine, None)
+    assert (3, 6, 9, 12, 15) in calls and calls.count((3, 6, 9, 12, 15)) == 1  # timed once, then reused
+    for rs in outs:
+        toks = [x.token for x in rs if x.token is not None]
+        assert toks == alone.tokens  # lossless whatever was chosen
+        h = rs[-1].stats.k_hist
+        assert h[0] >= 0.8 * sum(h), h  # steps shared by 3 sequences: plain
+
+
+def test_batch_costs_arithmetic():
+    """rows[r - 1] = T(n r) / T(n); the draft cost is scaled to the batch's step."""
+    t = StepCosts()
+    t.batch[(0, 2)] = [2e-3, 3e-3, 8e-3]
+    base = Costs([1.0, 1.1, 1.2], 0.05, 1.0)
+
+    class Seq:  # only the cache's depth is read when the table already has the batch's times
+        class slot:
+            class cache:
+                length, max_len = 10, 100
+        x0 = 1
+    c = t.batch_costs(None, Seq, 2, 3, base)
+    assert c.rows == [1.0, 1.5, 4.0] and c.step_ms == 2.0
+    assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
+    assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
+
+
 def test_given_costs_are_never_timed():
     t = StepCosts(Costs([1.0, 1.2], 0.1))
     assert not t.needs(10_000, 2, "k") and t.get(10_000, 2, "k").rows == [1.0, 1.2]

@@ -214,7 +214,7 @@ class Scheduler:
         plans = []
         for idx, a in live:
             try:
-                rows = a.seq.decoder.plan(a.seq)
+                rows = a.seq.decoder.plan(a.seq, self.engine, len(live))
             except Exception as e:  # noqa: BLE001 - one request's failure fails that request only
                 self._fail(idx, e)
                 continue

@@ -179,7 +179,7 @@ class PlainDecoder:
         seq.history.append(seq.x0)
         return seq.block([seq.x0], 0, logits)
 
-    def plan(self, seq: Sequence) -> list[int] | None:
+    def plan(self, seq: Sequence, engine=None, batch: int = 1) -> list[int] | None:
         cache = seq.slot.cache
         if cache.length + 2 > cache.max_len:  # feeding x0 and sampling one more would pass n_ctx
             return None

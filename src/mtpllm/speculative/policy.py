@@ -98,6 +98,7 @@ class StepCosts:
         self.fixed = fixed
         self.rows: dict[int, tuple[list[float], float]] = {}  # band -> (row costs, one-row ms)
         self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
+        self.batch: dict[tuple, list[float]] = {}  # (band, sequences) -> seconds at n, 2n, ... rows
         self.timings = 0  # measurements run (observability, tests)
 
     def get(self, depth: int, n_rows: int, key) -> Costs | None:
@@ -119,7 +120,56 @@ class StepCosts:
         got = self.rows.get(band)
         return got is None or len(got[0]) < n_rows or (key, band) not in self.draft_ms
 
+    @staticmethod
     @torch.inference_mode()
+    def _time_rows(engine, seq, counts: list[int], reps: int):
+        """Fastest of `reps` timings of the target's forward + logits at each row count on the
+        sequence's own cache (rolled back after each) -> ({count: seconds}, the 1-row hidden state)."""
+        cache = seq.slot.cache
+        from ..runtime.kv_cache import KVCache
+        by_trim = type(cache) is KVCache and not any(cache.ring)
+        model, dev = engine.model, engine.device
+        best = {r: math.inf for r in counts}
+        hidden = None
+        for _ in range(reps):
+            for r in counts:
+                snap = None if by_trim else cache.snapshot()
+                t0 = time.perf_counter()
+                h = model(torch.full((r,), int(seq.x0), dtype=torch.long, device=dev), cache)
+                model.logits(h)
+                best[r] = min(best[r], time.perf_counter() - t0)
+                if by_trim:
+                    cache.trim(r)
+                else:
+                    cache.restore(snap)
+                if r == 1:
+                    hidden = h
+        return best, hidden
+
+    def batch_costs(self, engine, seq, n_seqs: int, n_rows: int, base: Costs) -> Costs:
+        """The costs of a step that `n_seqs` sequences share: rows[r - 1] = T(n r rows) / T(n rows),
+        every sequence assumed to verify as many rows as this one (then each one's tokens per unit
+        of time is E(k) / (T(n (k + 1)) / T(n) + k d n T(1) / T(n))). A batch that is already
+        compute-bound makes drafts dear: at a few sequences the policy drafts less, at many none.
+        Row counts the caches cannot hold cost infinity (never chosen). Timed once per model,
+        depth band and batch size, on this sequence's cache."""
+        if self.fixed is not None or n_seqs <= 1:
+            return base
+        cache = seq.slot.cache
+        band = depth_band(cache.length)
+        got = self.batch.get((band, n_seqs))
+        if got is None or len(got) < n_rows:
+            cap = cache.max_len - cache.length - 1
+            counts = [n_seqs * r for r in range(1, n_rows + 1) if n_seqs * r <= cap]
+            if not counts or seq.x0 is None:
+                return base
+            t, _ = self._time_rows(engine, seq, counts, REPS)
+            got = [t.get(n_seqs * r, math.inf) for r in range(1, n_rows + 1)]
+            self.batch[(band, n_seqs)] = got
+            self.timings += 1
+        one = max(got[0], 1e-9)
+        return Costs([x / one for x in got[:n_rows]], base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
+
     def measure(self, engine, seq, n_rows: int, proposer, key, reps: int = REPS) -> bool:
         """Time the target's forward + logits at 1..n_rows rows on the sequence's own cache (rolled
         back after each), and one drafted token of the proposer. False when the cache has no room."""
@@ -127,30 +177,13 @@ class StepCosts:
         n_rows = min(n_rows, cache.max_len - cache.length - 1)
         if n_rows < 1 or seq.x0 is None:
             return False
-        from ..runtime.kv_cache import KVCache
-        by_trim = type(cache) is KVCache and not any(cache.ring)
-        model, dev = engine.model, engine.device
         band = depth_band(cache.length)
         have = self.rows.get(band)
         timed = have is None or len(have[0]) < n_rows  # else only the proposer is timed
-        best = [math.inf] * n_rows
-        hidden = None
-        for _ in range(reps if timed else 1):
-            for r in range(1, (n_rows if timed else 1) + 1):
-                snap = None if by_trim else cache.snapshot()
-                t0 = time.perf_counter()
-                h = model(torch.full((r,), int(seq.x0), dtype=torch.long, device=dev), cache)
-                model.logits(h)
-                best[r - 1] = min(best[r - 1], time.perf_counter() - t0)
-                if by_trim:
-                    cache.trim(r)
-                else:
-                    cache.restore(snap)
-                if r == 1:
-                    hidden = h
+        t, hidden = self._time_rows(engine, seq, list(range(1, (n_rows if timed else 1) + 1)), reps if timed else 1)
         if timed:
-            one = max(best[0], 1e-9)
-            self.rows[band] = ([t / one for t in best], one * 1e3)
+            one = max(t[1], 1e-9)
+            self.rows[band] = ([t[r] / one for r in range(1, n_rows + 1)], one * 1e3)
         probe = getattr(proposer, "probe_ms", None)
         if probe is None:  # n-gram lookup: nothing worth timing
             self.draft_ms[(key, band)] = 0.0

@@ -250,7 +250,9 @@ class SpeculativeDecoder:
             table.measure(engine, seq, n_rows, self.proposer, self._cost_key())
         seq.costs = table.get(depth, n_rows, self._cost_key())
 
-    def plan(self, seq) -> list[int] | None:
+    def plan(self, seq, engine=None, batch: int = 1) -> list[int] | None:
+        """This step's rows for `seq`: x0 and its drafts. `batch`: how many sequences share the
+        step's forward (the scheduler's; with `engine`, the cost policy prices rows in that batch)."""
         cache, cfg = seq.slot.cache, self.cfg
         # verification stores x0 + drafts, and the emitted token must still fit: total <= n_ctx
         room = cache.max_len - cache.length - 2
@@ -259,6 +261,8 @@ class SpeculativeDecoder:
         k, keep = min(seq.k, room), None
         costs = getattr(seq, "costs", None)
         if cfg.policy == "cost" and costs is not None:
+            if batch > 1 and engine is not None:
+                costs = step_costs(engine).batch_costs(engine, seq, batch, len(costs.rows), costs)
             k = CostPolicy.limit(seq.policy, costs, k)
             keep = CostPolicy.keeper(seq.policy, costs)
         t0 = time.perf_counter()
