@@ -226,6 +226,8 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
     params = SamplingParams(**dict(GREEDY, max_tokens=40))
     ids = engine.tokenizer.encode(PROMPT)
     spec = cfg.build(engine)
+    # the draft's time replaced too, in the same units as the rows (ms): 0.02 of a step
+    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.02)
     try:
         engine.reset()
         alone = engine.generate(prompt_ids=ids, params=params, speculative=spec)

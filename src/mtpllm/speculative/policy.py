@@ -165,11 +165,13 @@ class StepCosts:
                 return base
             t, _ = self._time_rows(engine, seq, counts, REPS)
             got = [t.get(n_seqs * r, math.inf) for r in range(1, n_rows + 1)]
-            self.batch[(band, n_seqs)] = got
             self.timings += 1
+            if len(counts) == n_rows:  # a cache short of room says nothing of the rows it could not hold
+                self.batch[(band, n_seqs)] = got
         one = max(got[0], 1e-9)
         return Costs([x / one for x in got[:n_rows]], base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
 
+    @torch.inference_mode()
     def measure(self, engine, seq, n_rows: int, proposer, key, reps: int = REPS) -> bool:
         """Time the target's forward + logits at 1..n_rows rows on the sequence's own cache (rolled
         back after each), and one drafted token of the proposer. False when the cache has no room."""
