@@ -94,6 +94,20 @@ def test_stop_strings_and_max_tokens_inside_blocks(target, draft_path, method):
         assert out.text == ref.text and out.tokens == ref.tokens and out.finish_reason == ref.finish_reason
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_drafts_stop_at_max_tokens(target, max_tokens):
+    """A step emits at most k + 1 tokens, so no step drafts more than the tokens still allowed
+    less one: the first step (after the prefill's token) at most max_tokens - 2, none when
+    max_tokens <= 2. The output is plain decoding's."""
+    params = dict(GREEDY, max_tokens=max_tokens)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=6, policy="fixed").build(target)  # drafts every step
+    out = target.generate(PROMPT, SamplingParams(**params), chat=False, speculative=spec)
+    assert out.tokens == _plain(target, params).tokens and len(out.tokens) == max_tokens
+    used = [k for k, n in enumerate(out.stats.k_hist) if n]
+    assert max(used, default=0) <= max(0, max_tokens - 2)
+    assert out.stats.num_steps == 0 or max_tokens > 1
+
+
 def test_eos_inside_block(target):
     """Make EOS the token plain greedy decoding emits 5th: speculation must stop at the same place."""
     ref = _plain(target, GREEDY)

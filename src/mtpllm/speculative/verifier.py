@@ -258,7 +258,9 @@ class SpeculativeDecoder:
         room = cache.max_len - cache.length - 2
         if room < 0:
             return None
-        k, keep = min(seq.k, room), None
+        # a step emits at most k + 1 tokens: drafts past the tokens still allowed are never used
+        left = seq.params.max_tokens - (len(seq.history) - len(seq.prompt))
+        k, keep = max(0, min(seq.k, room, left - 1)), None
         costs = getattr(seq, "costs", None)
         if cfg.policy == "cost" and costs is not None:
             if batch > 1 and engine is not None:
