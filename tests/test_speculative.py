@@ -390,6 +390,31 @@ def test_cumulative_p_min_cuts_on_the_product_of_draft_probabilities(target):
     assert any(b < a for a, b in zip(n_tok, n_cum))
 
 
+def test_mtp_prompt_pass_runs_in_chunks(target):
+    """The head's pass over a prompt runs `chunk` positions per forward (a long prompt at once would
+    build a [T, L] attention score matrix per head); its cache then holds what one pass writes."""
+    ids = target.tokenizer.encode(PROMPT)
+    prop = SpecConfig("mtp", 4).build(target).proposer
+    hidden = target.model(torch.tensor(ids), target.model.make_cache(64))
+    one, chunked = prop.new_state(), prop.new_state()
+    prop.begin(one, ids, hidden, 0, chunk=1000)
+    head, sizes = prop.head, []
+
+    def recording(x, h, cache):  # the real head, its row counts noted
+        sizes.append(x.shape[0])
+        return head(x, h, cache)
+    prop.head = recording
+    try:
+        prop.begin(chunked, ids, hidden, 0, chunk=4)
+    finally:
+        prop.head = head
+    n = len(ids) - 1
+    assert sizes == [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    assert chunked.cache.length == one.cache.length == n and chunked.tokens == one.tokens == ids[1:]
+    for a, b in ((one.cache.k, chunked.cache.k), (one.cache.v, chunked.cache.v)):
+        torch.testing.assert_close(a[..., :n, :], b[..., :n, :], rtol=1e-5, atol=1e-5)
+
+
 def test_cumulative_p_min_keeps_greedy_identity(target):
     ref = _plain(target, GREEDY)
     for cfg in (SpecConfig(method="mtp", num_speculative_tokens=4, p_cum=0.01),

@@ -19,6 +19,7 @@ from ..models.base import ARCHITECTURES, Embedding, build_block, make_rotaries, 
 from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
+from ..runtime.engine import PREFILL_CHUNK
 from .verifier import common_prefix, draft_token, stop_drafting
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
@@ -275,19 +276,21 @@ class MTPProposer:
         return min(common_prefix(st.tokens, prompt[1:]), st.cache.length)
 
     @torch.inference_mode()
-    def begin(self, st: MTPState, prompt, prompt_hidden: torch.Tensor, start: int) -> None:
+    def begin(self, st: MTPState, prompt, prompt_hidden: torch.Tensor, start: int, chunk: int = PREFILL_CHUNK) -> None:
         """The prompt's hidden states (positions start .. len(prompt)-1) go through the head now, as
         part of prompt processing: then a later request that shares this prefix finds it in the head's
         cache too, even when this one ends before any drafting. The last position waits for the first
-        generated token (its entry needs t_{i+1})."""
+        generated token (its entry needs t_{i+1}). At most `chunk` positions per forward: the head's
+        attention over a long prompt at once would build a [T, L] score matrix per head. (One block:
+        cheap beside the trunk's prefill, so it runs in one scheduler step.)"""
         st.cache.trim(st.cache.length - start)
         st.clear_context(self.vocab)
         self.update_context(st, prompt)
-        n = len(prompt) - 1 - start  # positions whose next token is already known
-        if n > 0:
-            toks = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.long, device=self.device)
-            self.head(self.embed(toks), prompt_hidden[:n], st.cache)
-        n = max(n, 0)
+        n = max(len(prompt) - 1 - start, 0)  # positions whose next token is already known
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            toks = torch.tensor(prompt[start + 1 + a:start + 1 + b], dtype=torch.long, device=self.device)
+            self.head(self.embed(toks), prompt_hidden[a:b], st.cache)
         st.tokens = list(prompt[1:start + 1 + n])
         st.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
         st.pending_start = start + n
