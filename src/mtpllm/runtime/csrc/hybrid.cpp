@@ -53,8 +53,8 @@ at::Tensor silu_mul_rows(const at::Tensor& gu);
 }  // namespace mtpllm
 
 namespace {
+using mtpllm::dot;
 using mtpllm::exp256;
-using mtpllm::hsum;
 
 // sigmoid from e = exp(-|x|) (<= 1, no overflow): 1 / (1 + e) for x >= 0, e / (1 + e) below
 inline __m256 sigmoid256(__m256 x) {
@@ -86,15 +86,6 @@ inline void mul_sigmoid(float* y, const float* g, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), sigmoid256(_mm256_loadu_ps(g + i))));
   for (; i < n; ++i) y[i] = y[i] * sigmoid1(g[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 inline void scale_inplace(float* x, float s, int64_t n) {
