@@ -37,7 +37,6 @@
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
-#include <chrono>
 #include <cmath>
 #include <vector>
 #include "common.h"
@@ -181,19 +180,13 @@ struct HybridStack : torch::CustomClassHolder {
   double scale, eps, qk_eps;
   std::vector<Lin> lins;
   std::vector<HLayer> layers;
-  // Per-stage wall time of forward_batch, summed over layers and calls while timing is on (off by
-  // default). Stages: DeltaNet norm + projections, DeltaNet convolution + delta rule + gated norm,
-  // DeltaNet output projection, attention norm + projections, attention, attention output
-  // projection, FFN (norm, products, routing).
-  static constexpr int kStages = 7;
-  bool timing = false;
-  std::vector<double> stage_ms = std::vector<double>(kStages, 0.0);
+  // Per-stage wall time of forward_batch (set_timing, stage_times): DeltaNet norm + projections,
+  // DeltaNet convolution + delta rule + gated norm, DeltaNet output projection, attention norm +
+  // projections, attention, attention output projection, FFN (norm, products, routing).
+  mtpllm::StageClock timer{7};
 
-  void set_timing(bool on) {
-    timing = on;
-    std::fill(stage_ms.begin(), stage_ms.end(), 0.0);
-  }
-  std::vector<double> stage_times() const { return stage_ms; }
+  void set_timing(bool on) { timer.set(on); }
+  std::vector<double> stage_times() const { return timer.times(); }
 
   HybridStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -227,13 +220,25 @@ struct HybridStack : torch::CustomClassHolder {
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(lins.size()), "HybridStack: no linear ", id);
   }
 
-  void add_deltanet(int64_t slot, at::Tensor attn_norm, int64_t proj, at::Tensor conv_w, at::Tensor a,
-                    at::Tensor dt_bias, at::Tensor ssm_norm, int64_t out, int64_t nk, int64_t nv, int64_t dk,
-                    int64_t dv, bool tiled, bool ba_grouped, at::Tensor ffn_norm) {
-    check_lin(proj);
+  // A new block at `slot` of the caches with its two norms and its token mixer's input and output
+  // linears (checked), for add_deltanet / add_attention to complete and add
+  HLayer new_layer(int64_t slot, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, int64_t in,
+                   int64_t out) const {
+    check_lin(in);
     check_lin(out);
     check_f32(attn_norm, "norm weights");
     check_f32(ffn_norm, "norm weights");
+    HLayer L;
+    L.slot = slot;
+    L.attn_norm = attn_norm;
+    L.ffn_norm = ffn_norm;
+    return L;
+  }
+
+  void add_deltanet(int64_t slot, at::Tensor attn_norm, int64_t proj, at::Tensor conv_w, at::Tensor a,
+                    at::Tensor dt_bias, at::Tensor ssm_norm, int64_t out, int64_t nk, int64_t nv, int64_t dk,
+                    int64_t dv, bool tiled, bool ba_grouped, at::Tensor ffn_norm) {
+    HLayer L = new_layer(slot, attn_norm, ffn_norm, proj, out);
     check_f32(a, "A");
     check_f32(dt_bias, "dt_bias");
     check_f32(ssm_norm, "the output norm");
@@ -243,11 +248,7 @@ struct HybridStack : torch::CustomClassHolder {
                 "HybridStack: convolution kernel float32 [C, K]");
     TORCH_CHECK(a.numel() == nv && dt_bias.numel() == nv && ssm_norm.numel() == dv,
                 "HybridStack: DeltaNet per-head tensors do not match the heads");
-    HLayer L;
     L.recurrent = true;
-    L.slot = slot;
-    L.attn_norm = attn_norm;
-    L.ffn_norm = ffn_norm;
     L.proj = proj;
     L.out = out;
     L.conv_t = conv_w.t().contiguous();
@@ -265,14 +266,7 @@ struct HybridStack : torch::CustomClassHolder {
 
   void add_attention(int64_t slot, at::Tensor attn_norm, int64_t qkv, int64_t o, c10::optional<at::Tensor> q_norm,
                      c10::optional<at::Tensor> k_norm, at::Tensor ffn_norm) {
-    check_lin(qkv);
-    check_lin(o);
-    check_f32(attn_norm, "norm weights");
-    check_f32(ffn_norm, "norm weights");
-    HLayer L;
-    L.slot = slot;
-    L.attn_norm = attn_norm;
-    L.ffn_norm = ffn_norm;
+    HLayer L = new_layer(slot, attn_norm, ffn_norm, qkv, o);
     L.qkv = qkv;
     L.o = o;
     L.q_norm = q_norm;
@@ -514,49 +508,27 @@ struct HybridStack : torch::CustomClassHolder {
   at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs,
                            std::vector<at::Tensor> convs, std::vector<at::Tensor> states, std::vector<int64_t> curs,
                            std::vector<int64_t> starts, std::vector<int64_t> rows, at::Tensor cos, at::Tensor sin) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "HybridStack: x float32 [R, D]");
-    const size_t S = rows.size();
     bool has_rec = false, has_att = false;
     for (const HLayer& L : layers) (L.recurrent ? has_rec : has_att) = true;
-    TORCH_CHECK(S > 0 && starts.size() == S, "HybridStack: one start and row count per sequence");
-    TORCH_CHECK(!has_att || (ks.size() == S && vs.size() == S), "HybridStack: one KV cache per sequence");
+    mtpllm::check_batch("HybridStack", x, ks, vs, starts, rows, cos, has_att);
+    const size_t S = rows.size();
     TORCH_CHECK(!has_rec || (convs.size() == S && states.size() == S && curs.size() == S),
                 "HybridStack: one recurrent cache per sequence");
-    int64_t total = 0;
-    for (size_t s = 0; s < S; ++s) {
-      TORCH_CHECK(rows[s] > 0 && starts[s] >= 0, "HybridStack: bad rows");
-      if (has_att) {
-        TORCH_CHECK(ks[s].dim() == 4 && vs[s].sizes() == ks[s].sizes() && starts[s] + rows[s] <= ks[s].size(2) &&
-                        starts[s] + rows[s] <= cos.size(0),
-                    "HybridStack: sequence rows out of its cache or rotary range");
-      }
-      if (has_rec) {
-        TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && convs[s].scalar_type() == at::kFloat &&
-                        states[s].scalar_type() == at::kFloat && convs[s].is_contiguous() &&
-                        states[s].is_contiguous(),
-                    "HybridStack: recurrent caches float32 [layers, rows, C] and [layers, slots, H, dk, dv]");
-      }
-      total += rows[s];
+    for (size_t s = 0; has_rec && s < S; ++s) {
+      TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && convs[s].scalar_type() == at::kFloat &&
+                      states[s].scalar_type() == at::kFloat && convs[s].is_contiguous() && states[s].is_contiguous(),
+                  "HybridStack: recurrent caches float32 [layers, rows, C] and [layers, slots, H, dk, dv]");
     }
-    TORCH_CHECK(total == x.size(0), "HybridStack: row counts do not add up to x's rows");
     x = x.contiguous();
     const int64_t H = n_heads, KV = n_kv, hd = head_dim;
-    using clock = std::chrono::steady_clock;
-    clock::time_point t0;
-    auto lap = [&](int stage) {
-      if (!timing) return;
-      const clock::time_point t1 = clock::now();
-      if (stage >= 0) stage_ms[stage] += std::chrono::duration<double, std::milli>(t1 - t0).count();
-      t0 = t1;
-    };
-    lap(-1);
+    timer.lap(-1);
     std::vector<at::Tensor> parts(S);
     for (const HLayer& L : layers) {
       TORCH_CHECK(L.gu >= 0 || L.router >= 0, "HybridStack: a block without its feed-forward");
       at::Tensor h = mtpllm::rms_norm_rows(x, L.attn_norm, eps);
       if (L.recurrent) {
         at::Tensor p = run(L.proj, h).contiguous();
-        lap(0);
+        timer.lap(0);
         const int64_t N = p.size(1);
         at::Tensor y = at::empty({x.size(0), L.nv * L.dv}, x.options());
         int64_t off = 0;
@@ -568,12 +540,12 @@ struct HybridStack : torch::CustomClassHolder {
                         y.data_ptr<float>() + off * L.nv * L.dv);
           off += rows[s];
         }
-        lap(1);
+        timer.lap(1);
         x = x + run(L.out, y);
-        lap(2);
+        timer.lap(2);
       } else {
         at::Tensor p = run(L.qkv, h).contiguous();
-        lap(3);
+        timer.lap(3);
         const int64_t R = p.size(0), W = p.size(1);
         TORCH_CHECK(W == 2 * H * hd + 2 * KV * hd, "HybridStack: attention projections have ", W, " outputs");
         // query heads come with their gates: [H x (q | gate)], then keys, values
@@ -601,9 +573,9 @@ struct HybridStack : torch::CustomClassHolder {
         at::Tensor o = (S == 1 ? parts[0] : at::cat(parts, 0)).contiguous();
         float* op = o.data_ptr<float>();
         for (int64_t t = 0; t < R; ++t) mul_sigmoid(op + t * H * hd, gp + t * H * hd, H * hd);
-        lap(4);
+        timer.lap(4);
         x = x + run(L.o, o);
-        lap(5);
+        timer.lap(5);
       }
       at::Tensor h2 = mtpllm::rms_norm_rows(x, L.ffn_norm, eps);
       if (L.router >= 0) {
@@ -611,7 +583,7 @@ struct HybridStack : torch::CustomClassHolder {
       } else {
         x.add_(mlp(L.gu, L.down, h2));
       }
-      lap(6);
+      timer.lap(6);
     }
     return x;
   }
