@@ -1,12 +1,9 @@
 // Helpers shared by the CPU kernels (AVX2 + FMA + F16C).
 #pragma once
-#include <ATen/ATen.h>
 #include <immintrin.h>
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 // How far ahead of the weight stream the kernels prefetch, in bytes
 #ifndef PF
@@ -123,56 +120,6 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
       }
     }
   }
-}
-
-// Per-stage wall time of a stack's forward passes (DecodeStack, HybridStack), summed over layers and
-// calls while timing is on (off by default: docs/kernels.md): lap(-1) starts the clock, lap(i) adds
-// the time since the last lap to stage i. Off, a lap reads no clock.
-class StageClock {
- public:
-  explicit StageClock(int stages) : ms_(stages, 0.0) {}
-  // on or off; the sums start again from zero either way
-  void set(bool on) {
-    on_ = on;
-    std::fill(ms_.begin(), ms_.end(), 0.0);
-  }
-  std::vector<double> times() const { return ms_; }
-  void lap(int stage) {
-    if (!on_) return;
-    const clock::time_point t1 = clock::now();
-    if (stage >= 0) ms_[stage] += std::chrono::duration<double, std::milli>(t1 - t0_).count();
-    t0_ = t1;
-  }
-
- private:
-  using clock = std::chrono::steady_clock;
-  bool on_ = false;
-  std::vector<double> ms_;
-  clock::time_point t0_;
-};
-
-// The arguments of a stack's forward_batch over S = rows.size() sequences: x float32 [R, D] holds
-// rows[s] > 0 consecutive rows of sequence s, at positions [starts[s], starts[s] + rows[s]); with
-// `kv`, those positions lie in the sequence's KV cache ks[s], vs[s] ([layers, KV, max_len, hd]) and
-// in the rotary tables (cos). `who` names the stack in the messages.
-inline void check_batch(const char* who, const at::Tensor& x, const std::vector<at::Tensor>& ks,
-                        const std::vector<at::Tensor>& vs, const std::vector<int64_t>& starts,
-                        const std::vector<int64_t>& rows, const at::Tensor& cos, bool kv) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, who, ": x float32 [R, D]");
-  const size_t S = rows.size();
-  TORCH_CHECK(S > 0 && starts.size() == S, who, ": one start and row count per sequence");
-  TORCH_CHECK(!kv || (ks.size() == S && vs.size() == S), who, ": one KV cache per sequence");
-  int64_t total = 0;
-  for (size_t s = 0; s < S; ++s) {
-    TORCH_CHECK(rows[s] > 0 && starts[s] >= 0, who, ": bad rows");
-    if (kv) {
-      TORCH_CHECK(ks[s].dim() == 4 && vs[s].sizes() == ks[s].sizes() && starts[s] + rows[s] <= ks[s].size(2) &&
-                      starts[s] + rows[s] <= cos.size(0),
-                  who, ": sequence rows out of its cache or rotary range");
-    }
-    total += rows[s];
-  }
-  TORCH_CHECK(total == x.size(0), who, ": row counts do not add up to x's rows");
 }
 
 }  // namespace mtpllm

@@ -16,20 +16,10 @@
 // sandwich norms, GELU, other weight formats).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
 #include <cmath>
 #include <vector>
 #include "common.h"
-
-namespace mtpllm {
-at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types);
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
-                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps);
-}  // namespace mtpllm
+#include "stack.h"
 
 namespace {
 using mtpllm::exp256;
@@ -132,21 +122,13 @@ struct DecodeStack : torch::CustomClassHolder {
     const size_t S = rows.size();
     x = x.contiguous();
     timer.lap(-1);
-    std::vector<at::Tensor> parts(S);
     for (int64_t i = first; i < first + count; ++i) {
       const Layer& L = layers[i];
       at::Tensor qkv = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.attn_norm, eps), L.qkv_w, L.qkv_t);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
       timer.lap(0);
-      int64_t off = 0;
-      for (size_t s = 0; s < S; ++s) {
-        TORCH_CHECK(L.slot < ks[s].size(0), "DecodeStack: cache has no slot ", L.slot);
-        parts[s] = mtpllm::attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin, ks[s].select(0, L.slot),
-                                       vs[s].select(0, L.slot), starts[s], n_heads, n_kv, head_dim, rot_dim, neox,
-                                       scale, L.q_norm, L.k_norm, qk_eps);
-        off += rows[s];
-      }
-      at::Tensor o = S == 1 ? parts[0] : at::cat(parts, 0);
+      at::Tensor o = mtpllm::attend_batch("DecodeStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, n_heads, n_kv,
+                                          head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
       timer.lap(1);
       x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
       timer.lap(2);
@@ -169,14 +151,9 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) { return silu_mul(gu); }
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
+  mtpllm::stack_class<DecodeStack>(m, "DecodeStack")
       .def("add_layer", &DecodeStack::add_layer)
-      .def("size", &DecodeStack::size)
-      .def("forward", &DecodeStack::forward)
-      .def("forward_batch", &DecodeStack::forward_batch)
-      .def("set_timing", &DecodeStack::set_timing)
-      .def("stage_times", &DecodeStack::stage_times);
+      .def("forward", &DecodeStack::forward);
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) { m.impl("silu_mul", &silu_mul); }

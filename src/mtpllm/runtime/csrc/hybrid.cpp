@@ -35,21 +35,10 @@
 // float32 rounding, not bit for bit (tests/test_hybrid_native.py states the tolerance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
 #include <cmath>
 #include <vector>
 #include "common.h"
-
-namespace mtpllm {
-at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types);
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
-                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps);
-at::Tensor silu_mul_rows(const at::Tensor& gu);
-}  // namespace mtpllm
+#include "stack.h"
 
 namespace {
 using mtpllm::dot;
@@ -522,7 +511,6 @@ struct HybridStack : torch::CustomClassHolder {
     x = x.contiguous();
     const int64_t H = n_heads, KV = n_kv, hd = head_dim;
     timer.lap(-1);
-    std::vector<at::Tensor> parts(S);
     for (const HLayer& L : layers) {
       TORCH_CHECK(L.gu >= 0 || L.router >= 0, "HybridStack: a block without its feed-forward");
       at::Tensor h = mtpllm::rms_norm_rows(x, L.attn_norm, eps);
@@ -562,15 +550,9 @@ struct HybridStack : torch::CustomClassHolder {
           }
           std::memcpy(qp + t * (H + 2 * KV) * hd + H * hd, pr + 2 * H * hd, 2 * KV * hd * sizeof(float));
         }
-        int64_t off = 0;
-        for (size_t s = 0; s < S; ++s) {
-          TORCH_CHECK(L.slot < ks[s].size(0), "HybridStack: cache has no slot ", L.slot);
-          parts[s] = mtpllm::attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin,
-                                         ks[s].select(0, L.slot), vs[s].select(0, L.slot), starts[s], H, KV, hd,
-                                         rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
-          off += rows[s];
-        }
-        at::Tensor o = (S == 1 ? parts[0] : at::cat(parts, 0)).contiguous();
+        at::Tensor o = mtpllm::attend_batch("HybridStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, H, KV, hd,
+                                            rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps)
+                           .contiguous();
         float* op = o.data_ptr<float>();
         for (int64_t t = 0; t < R; ++t) mul_sigmoid(op + t * H * hd, gp + t * H * hd, H * hd);
         timer.lap(4);
@@ -592,15 +574,10 @@ struct HybridStack : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
-  m.class_<HybridStack>("HybridStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
+  mtpllm::stack_class<HybridStack>(m, "HybridStack")
       .def("add_part", &HybridStack::add_part)
       .def("add_deltanet", &HybridStack::add_deltanet)
       .def("add_attention", &HybridStack::add_attention)
       .def("set_mlp", &HybridStack::set_mlp)
-      .def("set_moe", &HybridStack::set_moe)
-      .def("size", &HybridStack::size)
-      .def("forward_batch", &HybridStack::forward_batch)
-      .def("set_timing", &HybridStack::set_timing)
-      .def("stage_times", &HybridStack::stage_times);
+      .def("set_moe", &HybridStack::set_moe);
 }
