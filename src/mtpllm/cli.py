@@ -243,6 +243,8 @@ def cmd_bench(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- serve
 def cmd_serve(argv: list[str]) -> int:
+    from .runtime.engine import PREFILL_CHUNK
+
     ap = argparse.ArgumentParser(
         prog="mtpllm serve",
         description="HTTP server with OpenAI-compatible (/v1/completions, /v1/chat/completions, /v1/models) and "
@@ -266,7 +268,7 @@ def cmd_serve(argv: list[str]) -> int:
                    help="sequences generated at once, each with its own cache and speculation (default 1); "
                         "above 1 they are batched: one forward per step for all of them")
     g.add_argument("-ub", "--ubatch-size", type=_positive_int, default=None, metavar="N",
-                   help="prompt tokens per prefill forward (default 512): a long prompt is evaluated N tokens at "
+                   help=f"prompt tokens per prefill forward (default {PREFILL_CHUNK}): a long prompt is evaluated N tokens at "
                         "a time between the decoding steps of the other sequences, so they wait at most one such "
                         "forward for their next token")
     g.add_argument("--max-queue", type=_nonneg_int, default=64,

@@ -315,7 +315,7 @@ def build_id() -> str:
     not reused for another."""
     import hashlib
     h = hashlib.sha256()
-    for src in sorted(_SOURCES + [_CSRC / "common.h"]):
+    for src in sorted(_SOURCES + list(_CSRC.glob("*.h"))):
         h.update(src.read_bytes())
     return f"{_state.get('isa', isa())}-{h.hexdigest()[:16]}"
 

@@ -10,7 +10,7 @@ from ..registry import resolve_model
 from ..tokenizer import GGUFTokenizer
 from ..runtime.engine import PREFILL_CHUNK
 from ..runtime.sequence import run_steps
-from .verifier import common_prefix, draft_token, stop_drafting
+from .verifier import common_prefix, draft_chain, draft_token
 
 
 def check_vocab_compatible(target_tok: GGUFTokenizer, draft_tok: GGUFTokenizer, name: str) -> None:
@@ -97,19 +97,15 @@ class DraftModelProposer:
             return [], []
         h = self._sync(st, history)
         base = st.cache.length
-        drafts, qs = [], []
-        hist = list(history)
-        cum = 1.0
-        for i in range(k):
-            d, q, top = draft_token(self.model.logits(h)[0], sampler, hist, 1.0 if keep else max(p_min, p_cum))
-            cum *= top
-            if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
-                break
-            drafts.append(d)
-            qs.append(q)
-            hist.append(d)
-            if i + 1 < k:
-                h = self.model(torch.tensor([d], device=self.device), st.cache)
+
+        def next_draft(hist, cut):
+            return draft_token(self.model.logits(h)[0], sampler, hist, cut)
+
+        def advance(d):
+            nonlocal h
+            h = self.model(torch.tensor([d], device=self.device), st.cache)
+
+        drafts, qs = draft_chain(k, next_draft, advance, history, p_min, p_cum, keep)
         st.cache.trim(st.cache.length - base)  # keep only true tokens
         return drafts, qs
 

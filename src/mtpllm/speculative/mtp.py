@@ -20,7 +20,7 @@ from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
 from ..runtime.engine import PREFILL_CHUNK
-from .verifier import common_prefix, draft_token, stop_drafting
+from .verifier import common_prefix, draft_chain, draft_token
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
@@ -313,13 +313,10 @@ class MTPProposer:
         g = self.head(self.embed(toks), st.pending_h, cache)
         st.tokens = list(history[1:p0 + 1])
         st.pending_h = None
-        drafts, qs = [], []
-        hist = list(history)
         self.update_context(st, history)
         g_last = g[-1:]
-        # top probabilities are computed only for a cut-off or a `keep` test
-        cut, cum = (1.0 if keep is not None else max(p_min, p_cum)), 1.0
-        for i in range(k):
+
+        def next_draft(hist, cut):
             logits = self.lm_head(g_last)[0]
             if st.ctx_head is not None:
                 logits = torch.cat([logits, st.ctx_head(g_last)[0]])
@@ -334,14 +331,13 @@ class MTPProposer:
                     logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
                                         device=logits.device).index_copy_(0, st.draft_ids, logits)
                 d, q, top = draft_token(logits, sampler, hist, cut)
-            cum *= top
-            if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
-                break
-            drafts.append(d)
-            qs.append(q)
-            hist.append(d)
-            if i + 1 < k:
-                g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, cache)
+            return d, q, top
+
+        def advance(d):
+            nonlocal g_last
+            g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, cache)
+
+        drafts, qs = draft_chain(k, next_draft, advance, history, p_min, p_cum, keep)
         cache.trim(cache.length - p0)  # drop speculative recursion entries
         return drafts, qs
 

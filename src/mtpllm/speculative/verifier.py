@@ -155,6 +155,30 @@ def stop_drafting(top: float, cum: float, p_min: float, p_cum: float) -> bool:
     return top < p_min or cum < p_cum
 
 
+def draft_chain(k: int, next_draft, advance, history: list[int], p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None) -> tuple[list[int], list]:
+    """Up to k drafts, each from the proposer's state after the previous one: `next_draft(hist, cut)`
+    -> (token, q, top probability) as `draft_token` gives them (hist: the history with the drafts so
+    far; cut: what the top probability is needed for, see `draft_token`), `advance(token)` moves the
+    proposer past a kept draft (not after the k-th). Stops before the first draft a cut-off
+    (`stop_drafting`) or `keep(i, top)` refuses. -> (drafts, their q)."""
+    cut = 1.0 if keep is not None else max(p_min, p_cum)  # top probabilities only for a cut-off or `keep`
+    drafts, qs = [], []
+    hist = list(history)
+    cum = 1.0
+    for i in range(k):
+        d, q, top = next_draft(hist, cut)
+        cum *= top
+        if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
+            break
+        drafts.append(d)
+        qs.append(q)
+        hist.append(d)
+        if i + 1 < k:
+            advance(d)
+    return drafts, qs
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """normalize(max(0, p - q)): where to sample after rejecting a draft (this is what makes it lossless)."""
     residual = (p - q).clamp_min(0)

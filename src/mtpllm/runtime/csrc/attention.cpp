@@ -18,17 +18,9 @@
 #include "common.h"
 
 namespace {
+using mtpllm::dot;
 using mtpllm::exp256;
 using mtpllm::hsum;
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // p[j] = sc * q . K_j for the keys j < L (rows of D floats): 8 keys at a time, one accumulator each,
 // so 8 chains of multiply-adds are in flight instead of one per dot product (which left the scores

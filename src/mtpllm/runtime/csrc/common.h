@@ -22,6 +22,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// a . b over n floats: 8 lanes of multiply-adds, their sum, then the tail one by one
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 inline float hmax(__m256 v) {
   __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));

@@ -16,21 +16,10 @@
 // sandwich norms, GELU, other weight formats).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
-#include <chrono>
 #include <cmath>
 #include <vector>
 #include "common.h"
-
-namespace mtpllm {
-at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types);
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
-                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps);
-}  // namespace mtpllm
+#include "stack.h"
 
 namespace {
 using mtpllm::exp256;
@@ -81,12 +70,9 @@ struct DecodeStack : torch::CustomClassHolder {
   bool neox;
   double scale, eps, qk_eps;
   std::vector<Layer> layers;
-  // Per-stage wall time of forward, summed over layers and calls while timing is on (off by default:
-  // docs/kernels.md). Stages: attention norm + QKV (+ bias), attention, output projection + residual,
-  // FFN norm + gate/up, SiLU * up, FFN down + residual.
-  static constexpr int kStages = 6;
-  bool timing = false;
-  std::vector<double> stage_ms = std::vector<double>(kStages, 0.0);
+  // Per-stage wall time of forward (set_timing, stage_times): attention norm + QKV (+ bias), attention,
+  // output projection + residual, FFN norm + gate/up, SiLU * up, FFN down + residual.
+  mtpllm::StageClock timer{6};
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -116,11 +102,8 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 
-  void set_timing(bool on) {
-    timing = on;
-    std::fill(stage_ms.begin(), stage_ms.end(), 0.0);
-  }
-  std::vector<double> stage_times() const { return stage_ms; }
+  void set_timing(bool on) { timer.set(on); }
+  std::vector<double> stage_times() const { return timer.times(); }
 
   at::Tensor forward(at::Tensor x, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin, int64_t start,
                      int64_t first, int64_t count) {
@@ -135,53 +118,26 @@ struct DecodeStack : torch::CustomClassHolder {
                            std::vector<int64_t> starts, std::vector<int64_t> rows, at::Tensor cos, at::Tensor sin,
                            int64_t first, int64_t count) {
     TORCH_CHECK(first >= 0 && count >= 0 && first + count <= size(), "DecodeStack: layers out of range");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "DecodeStack: x float32 [T, D]");
-    const size_t S = ks.size();
-    TORCH_CHECK(S > 0 && vs.size() == S && starts.size() == S && rows.size() == S,
-                "DecodeStack: one cache, start and row count per sequence");
-    int64_t total = 0;
-    for (size_t s = 0; s < S; ++s) {
-      TORCH_CHECK(ks[s].dim() == 4 && vs[s].sizes() == ks[s].sizes(), "DecodeStack: caches [layers, KV, max_len, D]");
-      TORCH_CHECK(rows[s] > 0 && starts[s] >= 0 && starts[s] + rows[s] <= ks[s].size(2) &&
-                      starts[s] + rows[s] <= cos.size(0),
-                  "DecodeStack: sequence rows out of its cache or rotary range");
-      total += rows[s];
-    }
-    TORCH_CHECK(total == x.size(0), "DecodeStack: row counts do not add up to x's rows");
+    mtpllm::check_batch("DecodeStack", x, ks, vs, starts, rows, cos, true);
+    const size_t S = rows.size();
     x = x.contiguous();
-    using clock = std::chrono::steady_clock;
-    clock::time_point t0;
-    auto lap = [&](int stage) {
-      if (!timing) return;
-      const clock::time_point t1 = clock::now();
-      if (stage >= 0) stage_ms[stage] += std::chrono::duration<double, std::milli>(t1 - t0).count();
-      t0 = t1;
-    };
-    lap(-1);
-    std::vector<at::Tensor> parts(S);
+    timer.lap(-1);
     for (int64_t i = first; i < first + count; ++i) {
       const Layer& L = layers[i];
       at::Tensor qkv = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.attn_norm, eps), L.qkv_w, L.qkv_t);
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
-      lap(0);
-      int64_t off = 0;
-      for (size_t s = 0; s < S; ++s) {
-        TORCH_CHECK(L.slot < ks[s].size(0), "DecodeStack: cache has no slot ", L.slot);
-        parts[s] = mtpllm::attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin, ks[s].select(0, L.slot),
-                                       vs[s].select(0, L.slot), starts[s], n_heads, n_kv, head_dim, rot_dim, neox,
-                                       scale, L.q_norm, L.k_norm, qk_eps);
-        off += rows[s];
-      }
-      at::Tensor o = S == 1 ? parts[0] : at::cat(parts, 0);
-      lap(1);
+      timer.lap(0);
+      at::Tensor o = mtpllm::attend_batch("DecodeStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, n_heads, n_kv,
+                                          head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
+      timer.lap(1);
       x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
-      lap(2);
+      timer.lap(2);
       at::Tensor gu = mtpllm::gguf_linear_rows(mtpllm::rms_norm_rows(x, L.ffn_norm, eps), L.gu_w, L.gu_t);
-      lap(3);
+      timer.lap(3);
       at::Tensor a = silu_mul(gu);
-      lap(4);
+      timer.lap(4);
       x.add_(mtpllm::gguf_linear_rows(a, L.down_w, L.down_t));
-      lap(5);
+      timer.lap(5);
     }
     return x;
   }
@@ -195,14 +151,9 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) { return silu_mul(gu); }
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
-  m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
+  mtpllm::stack_class<DecodeStack>(m, "DecodeStack")
       .def("add_layer", &DecodeStack::add_layer)
-      .def("size", &DecodeStack::size)
-      .def("forward", &DecodeStack::forward)
-      .def("forward_batch", &DecodeStack::forward_batch)
-      .def("set_timing", &DecodeStack::set_timing)
-      .def("stage_times", &DecodeStack::stage_times);
+      .def("forward", &DecodeStack::forward);
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) { m.impl("silu_mul", &silu_mul); }

@@ -35,26 +35,14 @@
 // float32 rounding, not bit for bit (tests/test_hybrid_native.py states the tolerance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
-#include <chrono>
 #include <cmath>
 #include <vector>
 #include "common.h"
-
-namespace mtpllm {
-at::Tensor gguf_linear_rows(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types);
-at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
-                       const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                       int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps);
-at::Tensor silu_mul_rows(const at::Tensor& gu);
-}  // namespace mtpllm
+#include "stack.h"
 
 namespace {
+using mtpllm::dot;
 using mtpllm::exp256;
-using mtpllm::hsum;
 
 // sigmoid from e = exp(-|x|) (<= 1, no overflow): 1 / (1 + e) for x >= 0, e / (1 + e) below
 inline __m256 sigmoid256(__m256 x) {
@@ -86,15 +74,6 @@ inline void mul_sigmoid(float* y, const float* g, int64_t n) {
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), sigmoid256(_mm256_loadu_ps(g + i))));
   for (; i < n; ++i) y[i] = y[i] * sigmoid1(g[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 inline void scale_inplace(float* x, float s, int64_t n) {
@@ -190,19 +169,13 @@ struct HybridStack : torch::CustomClassHolder {
   double scale, eps, qk_eps;
   std::vector<Lin> lins;
   std::vector<HLayer> layers;
-  // Per-stage wall time of forward_batch, summed over layers and calls while timing is on (off by
-  // default). Stages: DeltaNet norm + projections, DeltaNet convolution + delta rule + gated norm,
-  // DeltaNet output projection, attention norm + projections, attention, attention output
-  // projection, FFN (norm, products, routing).
-  static constexpr int kStages = 7;
-  bool timing = false;
-  std::vector<double> stage_ms = std::vector<double>(kStages, 0.0);
+  // Per-stage wall time of forward_batch (set_timing, stage_times): DeltaNet norm + projections,
+  // DeltaNet convolution + delta rule + gated norm, DeltaNet output projection, attention norm +
+  // projections, attention, attention output projection, FFN (norm, products, routing).
+  mtpllm::StageClock timer{7};
 
-  void set_timing(bool on) {
-    timing = on;
-    std::fill(stage_ms.begin(), stage_ms.end(), 0.0);
-  }
-  std::vector<double> stage_times() const { return stage_ms; }
+  void set_timing(bool on) { timer.set(on); }
+  std::vector<double> stage_times() const { return timer.times(); }
 
   HybridStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -236,13 +209,25 @@ struct HybridStack : torch::CustomClassHolder {
     TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(lins.size()), "HybridStack: no linear ", id);
   }
 
-  void add_deltanet(int64_t slot, at::Tensor attn_norm, int64_t proj, at::Tensor conv_w, at::Tensor a,
-                    at::Tensor dt_bias, at::Tensor ssm_norm, int64_t out, int64_t nk, int64_t nv, int64_t dk,
-                    int64_t dv, bool tiled, bool ba_grouped, at::Tensor ffn_norm) {
-    check_lin(proj);
+  // A new block at `slot` of the caches with its two norms and its token mixer's input and output
+  // linears (checked), for add_deltanet / add_attention to complete and add
+  HLayer new_layer(int64_t slot, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, int64_t in,
+                   int64_t out) const {
+    check_lin(in);
     check_lin(out);
     check_f32(attn_norm, "norm weights");
     check_f32(ffn_norm, "norm weights");
+    HLayer L;
+    L.slot = slot;
+    L.attn_norm = attn_norm;
+    L.ffn_norm = ffn_norm;
+    return L;
+  }
+
+  void add_deltanet(int64_t slot, at::Tensor attn_norm, int64_t proj, at::Tensor conv_w, at::Tensor a,
+                    at::Tensor dt_bias, at::Tensor ssm_norm, int64_t out, int64_t nk, int64_t nv, int64_t dk,
+                    int64_t dv, bool tiled, bool ba_grouped, at::Tensor ffn_norm) {
+    HLayer L = new_layer(slot, attn_norm, ffn_norm, proj, out);
     check_f32(a, "A");
     check_f32(dt_bias, "dt_bias");
     check_f32(ssm_norm, "the output norm");
@@ -252,11 +237,7 @@ struct HybridStack : torch::CustomClassHolder {
                 "HybridStack: convolution kernel float32 [C, K]");
     TORCH_CHECK(a.numel() == nv && dt_bias.numel() == nv && ssm_norm.numel() == dv,
                 "HybridStack: DeltaNet per-head tensors do not match the heads");
-    HLayer L;
     L.recurrent = true;
-    L.slot = slot;
-    L.attn_norm = attn_norm;
-    L.ffn_norm = ffn_norm;
     L.proj = proj;
     L.out = out;
     L.conv_t = conv_w.t().contiguous();
@@ -274,14 +255,7 @@ struct HybridStack : torch::CustomClassHolder {
 
   void add_attention(int64_t slot, at::Tensor attn_norm, int64_t qkv, int64_t o, c10::optional<at::Tensor> q_norm,
                      c10::optional<at::Tensor> k_norm, at::Tensor ffn_norm) {
-    check_lin(qkv);
-    check_lin(o);
-    check_f32(attn_norm, "norm weights");
-    check_f32(ffn_norm, "norm weights");
-    HLayer L;
-    L.slot = slot;
-    L.attn_norm = attn_norm;
-    L.ffn_norm = ffn_norm;
+    HLayer L = new_layer(slot, attn_norm, ffn_norm, qkv, o);
     L.qkv = qkv;
     L.o = o;
     L.q_norm = q_norm;
@@ -523,49 +497,26 @@ struct HybridStack : torch::CustomClassHolder {
   at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs,
                            std::vector<at::Tensor> convs, std::vector<at::Tensor> states, std::vector<int64_t> curs,
                            std::vector<int64_t> starts, std::vector<int64_t> rows, at::Tensor cos, at::Tensor sin) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "HybridStack: x float32 [R, D]");
-    const size_t S = rows.size();
     bool has_rec = false, has_att = false;
     for (const HLayer& L : layers) (L.recurrent ? has_rec : has_att) = true;
-    TORCH_CHECK(S > 0 && starts.size() == S, "HybridStack: one start and row count per sequence");
-    TORCH_CHECK(!has_att || (ks.size() == S && vs.size() == S), "HybridStack: one KV cache per sequence");
+    mtpllm::check_batch("HybridStack", x, ks, vs, starts, rows, cos, has_att);
+    const size_t S = rows.size();
     TORCH_CHECK(!has_rec || (convs.size() == S && states.size() == S && curs.size() == S),
                 "HybridStack: one recurrent cache per sequence");
-    int64_t total = 0;
-    for (size_t s = 0; s < S; ++s) {
-      TORCH_CHECK(rows[s] > 0 && starts[s] >= 0, "HybridStack: bad rows");
-      if (has_att) {
-        TORCH_CHECK(ks[s].dim() == 4 && vs[s].sizes() == ks[s].sizes() && starts[s] + rows[s] <= ks[s].size(2) &&
-                        starts[s] + rows[s] <= cos.size(0),
-                    "HybridStack: sequence rows out of its cache or rotary range");
-      }
-      if (has_rec) {
-        TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && convs[s].scalar_type() == at::kFloat &&
-                        states[s].scalar_type() == at::kFloat && convs[s].is_contiguous() &&
-                        states[s].is_contiguous(),
-                    "HybridStack: recurrent caches float32 [layers, rows, C] and [layers, slots, H, dk, dv]");
-      }
-      total += rows[s];
+    for (size_t s = 0; has_rec && s < S; ++s) {
+      TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && convs[s].scalar_type() == at::kFloat &&
+                      states[s].scalar_type() == at::kFloat && convs[s].is_contiguous() && states[s].is_contiguous(),
+                  "HybridStack: recurrent caches float32 [layers, rows, C] and [layers, slots, H, dk, dv]");
     }
-    TORCH_CHECK(total == x.size(0), "HybridStack: row counts do not add up to x's rows");
     x = x.contiguous();
     const int64_t H = n_heads, KV = n_kv, hd = head_dim;
-    using clock = std::chrono::steady_clock;
-    clock::time_point t0;
-    auto lap = [&](int stage) {
-      if (!timing) return;
-      const clock::time_point t1 = clock::now();
-      if (stage >= 0) stage_ms[stage] += std::chrono::duration<double, std::milli>(t1 - t0).count();
-      t0 = t1;
-    };
-    lap(-1);
-    std::vector<at::Tensor> parts(S);
+    timer.lap(-1);
     for (const HLayer& L : layers) {
       TORCH_CHECK(L.gu >= 0 || L.router >= 0, "HybridStack: a block without its feed-forward");
       at::Tensor h = mtpllm::rms_norm_rows(x, L.attn_norm, eps);
       if (L.recurrent) {
         at::Tensor p = run(L.proj, h).contiguous();
-        lap(0);
+        timer.lap(0);
         const int64_t N = p.size(1);
         at::Tensor y = at::empty({x.size(0), L.nv * L.dv}, x.options());
         int64_t off = 0;
@@ -577,12 +528,12 @@ struct HybridStack : torch::CustomClassHolder {
                         y.data_ptr<float>() + off * L.nv * L.dv);
           off += rows[s];
         }
-        lap(1);
+        timer.lap(1);
         x = x + run(L.out, y);
-        lap(2);
+        timer.lap(2);
       } else {
         at::Tensor p = run(L.qkv, h).contiguous();
-        lap(3);
+        timer.lap(3);
         const int64_t R = p.size(0), W = p.size(1);
         TORCH_CHECK(W == 2 * H * hd + 2 * KV * hd, "HybridStack: attention projections have ", W, " outputs");
         // query heads come with their gates: [H x (q | gate)], then keys, values
@@ -599,20 +550,14 @@ struct HybridStack : torch::CustomClassHolder {
           }
           std::memcpy(qp + t * (H + 2 * KV) * hd + H * hd, pr + 2 * H * hd, 2 * KV * hd * sizeof(float));
         }
-        int64_t off = 0;
-        for (size_t s = 0; s < S; ++s) {
-          TORCH_CHECK(L.slot < ks[s].size(0), "HybridStack: cache has no slot ", L.slot);
-          parts[s] = mtpllm::attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin,
-                                         ks[s].select(0, L.slot), vs[s].select(0, L.slot), starts[s], H, KV, hd,
-                                         rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
-          off += rows[s];
-        }
-        at::Tensor o = (S == 1 ? parts[0] : at::cat(parts, 0)).contiguous();
+        at::Tensor o = mtpllm::attend_batch("HybridStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, H, KV, hd,
+                                            rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps)
+                           .contiguous();
         float* op = o.data_ptr<float>();
         for (int64_t t = 0; t < R; ++t) mul_sigmoid(op + t * H * hd, gp + t * H * hd, H * hd);
-        lap(4);
+        timer.lap(4);
         x = x + run(L.o, o);
-        lap(5);
+        timer.lap(5);
       }
       at::Tensor h2 = mtpllm::rms_norm_rows(x, L.ffn_norm, eps);
       if (L.router >= 0) {
@@ -620,7 +565,7 @@ struct HybridStack : torch::CustomClassHolder {
       } else {
         x.add_(mlp(L.gu, L.down, h2));
       }
-      lap(6);
+      timer.lap(6);
     }
     return x;
   }
@@ -629,15 +574,10 @@ struct HybridStack : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
-  m.class_<HybridStack>("HybridStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, double>())
+  mtpllm::stack_class<HybridStack>(m, "HybridStack")
       .def("add_part", &HybridStack::add_part)
       .def("add_deltanet", &HybridStack::add_deltanet)
       .def("add_attention", &HybridStack::add_attention)
       .def("set_mlp", &HybridStack::set_mlp)
-      .def("set_moe", &HybridStack::set_moe)
-      .def("size", &HybridStack::size)
-      .def("forward_batch", &HybridStack::forward_batch)
-      .def("set_timing", &HybridStack::set_timing)
-      .def("stage_times", &HybridStack::stage_times);
+      .def("set_moe", &HybridStack::set_moe);
 }
