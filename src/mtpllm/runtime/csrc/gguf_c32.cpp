@@ -75,7 +75,8 @@ struct C32Unpacked {
 //                       of row r (low nibble: code 4 c + j; high nibble: code 16 + 4 c + j, 4 low bits);
 //                       hb [32] at 128: bit c of byte 4 r + j = the 5th bit of code 4 c + j of row r
 //                       (a 16-bit shift and a mask bring chunk c's bits to 0x10); d [8] float16 at 160
-// Decoded, they are exactly c32_unpack's codes and scales: both give the same products.
+// Decoded, they are exactly c32_unpack's codes and scales: both give the same products. (Their type
+// ids and sizes: gguf_blocks.h.)
 
 // software prefetch of the cache lines of the block PF bytes ahead of p (a block of `bytes`)
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
