@@ -2,7 +2,8 @@
 
 - `gguf_linear(x, blocks, types)`: float32 activations times weights that are the GGUF file's own
   blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K), read in place from the file mapping
-  (csrc/gguf_blocks.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings);
+  (csrc/gguf_blocks.cpp, the operators; the kernels in gguf_blocks.h, gguf_rows.cpp, gguf_x8.cpp and
+  gguf_c32.cpp); `gguf_dequantize` decodes them to float32 (prompt chunks, embeddings);
   `gguf_repack` lays Q4_K / Q6_K out by 8 rows for their faster kernels (types `Q4_KX8`, `Q6_KX8`).
 - `q8_linear(x, codes, scales, mins, group)`: the same for other types, kept as integer codes with
   per-group scales (csrc/qgemv.cpp).
@@ -17,7 +18,7 @@ the torch extensions cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR)
 model is loaded: about 30-90 s once, then a cached load. Needs an x86-64 CPU with AVX2 and FMA.
 Where the CPU also has AVX-512 VNNI (with VL and BW), the same sources are built with it: the
 integer dot products then use its fused instructions, on 256-bit registers, with bit-identical
-results (csrc/gguf_blocks.cpp). The build is named by its instruction set, so a cache shared between
+results (csrc/gguf_blocks.h, MTPLLM_VNNI). The build is named by its instruction set, so a cache shared between
 machines never hands one CPU another's build. MTPLLM_KERNELS_ISA=avx2 forces the AVX2 build.
 
 While it compiles, one line on stderr says so, with a dot every few seconds and the seconds it
@@ -43,8 +44,8 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp",
-            _CSRC / "hybrid.cpp"]
+_SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "gguf_rows.cpp", _CSRC / "gguf_x8.cpp",
+            _CSRC / "gguf_c32.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp", _CSRC / "hybrid.cpp"]
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
 # the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
@@ -250,7 +251,7 @@ def gguf_dequantize(weights: list[torch.Tensor], types: list[int], k: int) -> to
     return _op("gguf_dequantize")(weights, types, k)
 
 
-# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.cpp, "Q4_Kx8", "Q6_Kx8",
+# engine type ids of GGUF types repacked by 8 rows (csrc/gguf_blocks.h, "Q4_Kx8", "Q6_Kx8",
 # "Q4_0x8", "Q5_0x8", "Q8_0x8"): gguf_linear and gguf_dequantize take them like GGML types, with weights
 # uint8 [N / 8, K / 256 * 1184 | 1680] (Q4_Kx8 | Q6_Kx8), [N / 8, K / 32 * 144 | 176 | 272] (Q4_0x8 |
 # Q5_0x8 | Q8_0x8)
