@@ -106,6 +106,9 @@ def test_bench_edit_rows(bench_model, capsys):
     _validate(rep)
     assert [(r["prompt_set"], r["n_prompt"]) for r in rep["rows"]] == [("edit", 250)] * 2
     assert all(r["prompt_tokens"] <= 250 and r["gen_tokens"] <= 3 for r in rep["rows"])
+    plain, chain = rep["rows"]
+    assert plain["members"] == {} and set(chain["members"]) <= {"ngram", "mtp"}
+    assert sum(m["drafts"] for m in chain["members"].values()) == sum(chain["draft_length_histogram"][1:])
 
 
 @pytest.mark.parametrize("spec,err", [("mtp:0", "1..16"), ("mtp:x", "not an integer"), ("eagle", "unknown method"),
