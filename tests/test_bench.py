@@ -78,6 +78,39 @@ def test_bench_real_prompt_sets_and_formats(bench_model, capsys):
     assert "| pp8+tg2 | none |" in md and "torch" in md and "sha256" in md
 
 
+@pytest.mark.parametrize("n_prompt", [200, 700])
+def test_edit_prompt_is_whole_lines_of_stdlib_source_within_p(bench_model, n_prompt):
+    """The edit set's request: the instruction and the longest run of whole lines of the stdlib
+    source whose chat-templated prompt fits -p (one more line would not)."""
+    from mtpllm.bench.workloads import EDIT_INSTRUCTION, build_requests, stdlib_source
+    from mtpllm.runtime.engine import Engine
+    engine = Engine.load(str(bench_model), n_ctx=1024)
+    (req,) = build_requests(engine, "edit", n_prompt, 3, 0)
+    assert req.label == "edit" and n_prompt - 40 < len(req.ids) <= n_prompt
+    text = engine.tokenizer.decode(req.ids)
+    assert EDIT_INSTRUCTION in text
+    code = text.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    lines = stdlib_source().splitlines(keepends=True)
+    n = code.count("\n")
+    assert n >= 1 and code == "".join(lines[:n])  # cut at a line boundary
+    longer = engine.encode_prompt(f"{EDIT_INSTRUCTION}\n\n```python\n{''.join(lines[:n + 1])}```")
+    assert len(longer) > n_prompt
+    with pytest.raises(MtpllmError, match="too short for the edit prompt"):
+        build_requests(engine, "edit", 20, 3, 0)
+
+
+def test_bench_edit_rows(bench_model, capsys):
+    assert main(["bench", "-m", str(bench_model), "-n", "3", "-r", "1", "--warmup", "0", "-p", "250", "-c", "300",
+                 "--prompts", "edit", "--spec", "none,ngram:3+mtp:1", "-o", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    _validate(rep)
+    assert [(r["prompt_set"], r["n_prompt"]) for r in rep["rows"]] == [("edit", 250)] * 2
+    assert all(r["prompt_tokens"] <= 250 and r["gen_tokens"] <= 3 for r in rep["rows"])
+    plain, chain = rep["rows"]
+    assert plain["members"] == {} and set(chain["members"]) <= {"ngram", "mtp"}
+    assert sum(m["drafts"] for m in chain["members"].values()) == sum(chain["draft_length_histogram"][1:])
+
+
 @pytest.mark.parametrize("spec,err", [("mtp:0", "1..16"), ("mtp:x", "not an integer"), ("eagle", "unknown method"),
                                       ("draft:", "expected draft:MODEL"), ("ngram:2+none", "a chain is two"),
                                       ("ngram+mtp+ngram", "a chain is two"), ("mtp:2@x", "not a number"),

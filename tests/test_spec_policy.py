@@ -9,7 +9,7 @@ from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import SpecConfig
 from mtpllm.speculative.policy import (PROBE_MAX, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
-from tiny import make_tiny
+from tiny import gpt2_vocab, make_tiny
 
 GREEDY = dict(temperature=0, max_tokens=60, ignore_eos=True)
 PROMPT = "the cat the cat the cat sat on the mat; the cat sat on the"
@@ -177,6 +177,62 @@ def test_same_drafts_where_drafting_costs_a_step(confident):
         set_step_costs(engine, None)
     h = out.stats.k_hist
     assert h[0] >= 0.8 * sum(h)
+
+
+def test_chain_drafts_lookup_matches_under_the_cost_policy(tiny_dir):
+    """A chain under the cost policy: the tiny model writes only tokens 5, 6 and 7, so its output
+    repeats and lookup finds matches that are often accepted, while the random MTP head's drafts
+    seldom are. Rows cost 0.3 of a step: the head's record soon says plain, but lookup, tried before
+    any gate and priced on its own record, keeps drafting. The output is plain greedy decoding's."""
+    V = len(gpt2_vocab()[0])
+    e = Engine.load(str(make_tiny(tiny_dir / "pol-357.gguf", "qwen2", seed=5, nextn=1, ctx=1024,
+                                  never=[t for t in range(V) if t not in (5, 6, 7)])), n_ctx=1024)
+    prompt, params = [5, 6, 7, 8] * 6, SamplingParams(**dict(GREEDY, max_tokens=100))
+    ref = e.generate(prompt_ids=prompt, params=params)
+    cfg = SpecConfig("ngram", 4, policy="cost", fallback=SpecConfig("mtp", 3))
+    set_step_costs(e, [1.0, 1.3, 1.6, 1.9, 2.2], 0.05)
+    try:
+        out = e.generate(prompt_ids=prompt, params=params, speculative=cfg.build(e))
+    finally:
+        set_step_costs(e, None)
+    assert out.tokens == ref.tokens
+    m, st = out.stats.members, out.stats
+    assert m["ngram"][0] >= 25 and m["ngram"][2] >= 30  # lookup drafted on most steps, much of it accepted
+    assert m.get("mtp", [0])[0] < m["ngram"][0] // 4
+    assert [sum(x[i] for x in m.values()) for i in range(3)] == [st.num_drafts, st.num_draft_tokens,
+                                                                   st.num_accepted_tokens]
+    assert st.k_hist[0] > 0 and "ngram:" in st.summary()  # plain steps where the head alone would draft
+
+
+def test_chain_members_are_priced_on_their_own_records(confident):
+    """`ChainProposer.propose_priced`: a member whose record says plain does not stop the other from
+    drafting. Lookup (ngram) and a draft model (itself, a member with drafting costs) as a chain."""
+    from mtpllm.runtime.sampling import Sampler
+    from mtpllm.speculative.policy import ChainPolicyState
+    engine, dcfg = confident
+    chain = SpecConfig("ngram", 4, prompt_lookup_min=1, policy="cost",
+                       fallback=SpecConfig("draft_model", 2, draft_model=dcfg.draft_model)).build(engine).proposer
+    st, sampler = chain.new_state(), Sampler(SamplingParams(temperature=0))
+    costs = Costs([1.0, 1.3, 1.6, 1.9, 2.2], 0.05)
+    repeats, fresh = [5, 6, 7, 8] * 3 + [5, 6], [30 + i for i in range(14)]
+
+    def bad(rec):  # a record of drafts all rejected, with no probe due
+        for _ in range(20):
+            rec.observe([0.9, 0.9], 0)
+
+    pol = ChainPolicyState(2)
+    bad(pol.members[1])  # the draft model's drafts do not pay: a plain step for it...
+    assert chain.propose_priced(st, repeats, 4, sampler, 0.0, 0.0, pol, costs)[0] == [7, 8, 5, 6]
+    assert (pol.active, st.last) == (0, "ngram")  # ...but lookup, on its own record, drafts
+    assert chain.propose_priced(st, fresh, 4, sampler, 0.0, 0.0, pol, costs) == ([], [])
+    assert pol.active is None and pol.members[1].idle == 1 and pol.members[0].idle == 0  # no match: not lookup's
+
+    pol = ChainPolicyState(2)
+    bad(pol.members[0])  # lookup's matches are rejected: its match is dropped, the draft model drafts
+    drafts, _ = chain.propose_priced(st, repeats, 4, sampler, 0.0, 0.0, pol, costs)
+    assert 1 <= len(drafts) <= 2 and (pol.active, st.last) == (1, "draft_model") and pol.members[0].idle == 1
+    pol.observe([0.9] * len(drafts), len(drafts))  # the verification goes to the member that drafted
+    assert pol.members[1].reached[0] == 1.0 and pol.members[0].reached[0] < 20 and pol.active is None
 
 
 def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(target):

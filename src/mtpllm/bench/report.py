@@ -35,6 +35,10 @@ ROW_SCHEMA = {
         "tokens_per_step": {"type": ["number", "null"], "minimum": 1},
         # target steps by the number of drafts they verified (index 0: plain steps)
         "draft_length_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        # a chain: per member (ngram, mtp, ...), steps it drafted, its draft tokens and those accepted
+        "members": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["drafts", "draft_tokens", "accepted_tokens"],
+            "properties": {k: {"type": "integer", "minimum": 0} for k in ("drafts", "draft_tokens", "accepted_tokens")}}},
         "peak_rss_mib": {"type": "number", "minimum": 0}, "load_ms": {"type": "number", "minimum": 0},
         # decode t/s over llama.cpp's tg<n_gen> on the same file and threads in the same run (--vs-llama-cpp)
         "decode_vs_llama_cpp": {"type": "number", "minimum": 0},
@@ -110,6 +114,8 @@ def to_markdown(rep: dict) -> str:
         hist = r.get("draft_length_histogram") or []
         if sum(1 for n in hist if n) > 1:  # the policy chose different draft lengths: steps by k
             pos += " (k " + " ".join(f"{k}:{n}" for k, n in enumerate(hist) if n) + ")"
+        for name, m in (r.get("members") or {}).items():  # a chain: who drafted, and how well
+            pos += f"; {name} {m['drafts']}x {m['accepted_tokens']}/{m['draft_tokens']}"
         out.append(f"| {os.path.basename(r['model'])} | {r['threads']} | {_test_name(r)} | {r['spec']} | "
                    f"{_pm(r['prefill_tps'])} | {_pm(r['decode_tps'])} | {_pm(r['e2e_tps'])} | {acc} | {mal} | "
                    f"{pos} | {r['peak_rss_mib']:.0f} | {r['load_ms']:.0f} |" +
@@ -123,7 +129,7 @@ def to_markdown(rep: dict) -> str:
                "all rows, and llama.cpp once per round), warm-up excluded; "
                "mean acc. len: 1 + accepted / steps with a draft (in brackets, where a p-min cut-off left steps "
                "without one: per step); (k ...): steps by the number of drafts they verified, 0 = plain, where "
-               "that varied.")
+               "that varied; for a chain, per member: steps it drafted (x) and its accepted / drafted tokens.")
     return "\n".join(out)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import MtpllmError
 from .report import conditions, plot, to_csv, to_json, to_markdown
-from .workloads import PROMPT_SETS, build_requests, depth_ids
+from .workloads import PROMPT_SETS, SIZED_SETS, build_requests, depth_ids
 
 
 # ---------------------------------------------------------------------------- argument parsing
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="models, comma-separated (registry names or GGUF paths)")
     ap.add_argument("-p", "--n-prompt", type=_int_list, default=[512],
-                    help="prompt tokens (synthetic and long prompt sets), comma-separated (default 512)")
+                    help="prompt tokens (synthetic, long and edit prompt sets, comma-separated (default 512)")
     ap.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default 128)")
     ap.add_argument("-d", "--depth", type=_int_list, default=[0], help="tokens already in context (default 0)")
     ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row, run in rounds over all rows (default 5)")
@@ -226,7 +226,7 @@ class RowRun:
         spec_on, total, reps = self.spec is not None, self.total, self.reps
         return {
             "threads": 0, "prompt_set": self.prompt_set,
-            "n_prompt": self.n_prompt if self.prompt_set in ("synthetic", "long") else 0,
+            "n_prompt": self.n_prompt if self.prompt_set in SIZED_SETS else 0,
             "n_gen": self.n_gen, "depth": self.depth, "spec": self.label, "k": self.k, "repeats": reps,
             "prompt_tokens": self.p_tok / reps, "gen_tokens": self.g_tok / reps,
             "prefill_tps": _stat(self.pre), "decode_tps": _stat(self.dec), "e2e_tps": _stat(self.e2e),
@@ -238,6 +238,9 @@ class RowRun:
             "draft_ms_per_step": (total.draft_ms / total.num_drafts if total.num_drafts else 0.0) if spec_on else None,
             # target steps by the number of drafts they verified (0: plain steps the policy chose)
             "draft_length_histogram": list(total.k_hist) if spec_on else [],
+            # a chain: per member, the steps it drafted and its drafts accepted
+            "members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v)) for k, v in total.members.items()}
+            if spec_on else {},
             "peak_rss_mib": self.peak_mib,
         }
 
@@ -333,13 +336,13 @@ def main(argv: list[str]) -> int:
     from ..runtime.engine import Engine
     from ..speculative import SpecConfig
     threads_list = a.threads or [torch.get_num_threads()]
-    longest = max(a.n_prompt) if any(s in ("synthetic", "long") for s in sets) else 0
-    need = max(a.depth) + max(longest, 512 if any(s in ("code", "prose", "long") for s in sets) else 0) \
+    longest = max(a.n_prompt) if any(s in SIZED_SETS for s in sets) else 0
+    need = max(a.depth) + max(longest, 512 if any(s in ("code", "prose", "long", "edit") for s in sets) else 0) \
         + max(a.n_gen) + 64  # + chat template and summarisation instruction
     n_ctx = a.ctx_size or need
     rows, models, llama_rows = [], [], []
-    def prompt_sizes(ps: str) -> list[int]:  # -p applies to the synthetic and long sets only
-        return a.n_prompt if ps in ("synthetic", "long") else [0]
+    def prompt_sizes(ps: str) -> list[int]:  # -p applies to the synthetic, long and edit sets only
+        return a.n_prompt if ps in SIZED_SETS else [0]
     for name in [m.strip() for m in a.model.split(",") if m.strip()]:
         path = resolve_model(name)
         g = GGUFFile(path)

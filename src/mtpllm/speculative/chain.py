@@ -6,6 +6,9 @@ long runs that are accepted as a whole at no drafting cost; elsewhere the MTP he
 proposer keeps its own draft length (lookup is best long, a small MTP head short). Verification is
 the same whoever drafted, so the chain is exactly as lossless as its members.
 
+Under the cost policy (`propose_priced`) each member's drafts are priced by that member's own
+acceptance record, and lookup, free to propose, is tried before any gate (policy.py).
+
 Every member sees every step's `begin`/`accept`, drafting or not, so stateful proposers (the MTP
 head's cache of trunk hidden states) stay in step with the trunk.
 """
@@ -55,6 +58,39 @@ class ChainProposer:
             if drafts:
                 st.last = self.names[i]
                 return drafts, qs
+        st.last = None
+        return [], []
+
+    def propose_priced(self, st: ChainState, history: list[int], k: int, sampler, p_min: float, p_cum: float,
+                       pol, costs):
+        """`propose` under the cost policy: pol, a `ChainPolicyState`; costs, the step's `Costs`
+        (drafting priced at the slowest member's, which lookup does not pay). A member without
+        `probe_ms` (lookup) drafts first and its drafts are then kept while they pay for their rows
+        on its record; a member with one plans its length from its record before it drafts."""
+        from dataclasses import replace
+
+        from .policy import CostPolicy
+        pol.active = None
+        for i, (p, s, kp) in enumerate(zip(self.proposers, st.states, self.ks)):
+            rec, ki = pol.members[i], min(k, kp)
+            if not hasattr(p, "probe_ms"):  # free to propose: look first, then price the rows
+                drafts, qs = p.propose(s, history, ki, sampler, p_min, p_cum)
+                if not drafts:
+                    continue  # no match: not a plain step of this member's
+                c = replace(costs, draft=0.0)
+                n, keep = CostPolicy.limit(rec, c, len(drafts)), CostPolicy.keeper(rec, c)
+                m = 0
+                while m < n and keep(m, 1.0):  # a match's drafts all have confidence 1
+                    m += 1
+                drafts, qs = drafts[:m], qs[:m]
+            else:
+                n = CostPolicy.limit(rec, costs, ki)
+                drafts, qs = p.propose(s, history, n, sampler, p_min, p_cum,
+                                       keep=CostPolicy.keeper(rec, costs)) if n > 0 else ([], [])
+            if drafts:
+                pol.active, st.last = i, self.names[i]
+                return drafts, qs
+            pol.skip(i)
         st.last = None
         return [], []
 

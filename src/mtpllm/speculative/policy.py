@@ -23,6 +23,12 @@ The three inputs:
   while probes fail or do not pay) notices when the drafts become good again. Where even drafts
   sure to be accepted would not pay for their rows, nothing is drafted at all.
 
+A chain (n-gram lookup first, MTP otherwise) keeps one record per member (`ChainPolicyState`), so
+each member's drafts are priced by its own acceptance. Lookup costs nothing to propose, so it is tried
+before any gate: a match's drafts then pass the same tests as a head's, at confidence 1 calibrated by
+lookup's record and at no drafting cost; only where there is no match (or none of it is worth its
+rows) does the next member plan its step.
+
 Losslessness does not depend on any of this: which drafts are verified is decided from the drafts
 and past steps only, never from the target's distribution at the verified positions.
 """
@@ -272,6 +278,28 @@ class PolicyState:
                 self.wait = min(2 * self.wait, PROBE_MAX)
         self.probing = False
         self.idle = 0
+
+
+class ChainPolicyState:
+    """A chain's records, one `PolicyState` per member; `active`: the member whose drafts this step
+    verifies (None: a plain step). Members asked this step that did not draft have counted it as a
+    plain step already (`skip`); `observe` records the verification on the member that drafted."""
+
+    def __init__(self, n: int):
+        self.members = [PolicyState() for _ in range(n)]
+        self.active: int | None = None
+
+    @property
+    def confs(self) -> list[float]:
+        return self.members[self.active].confs if self.active is not None else []
+
+    def skip(self, i: int) -> None:
+        self.members[i].observe([], 0)
+
+    def observe(self, confs: list[float], n_accepted: int) -> None:
+        if self.active is not None:
+            self.members[self.active].observe(confs, n_accepted)
+        self.active = None
 
 
 class CostPolicy:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.sampling import Sampler
-from .policy import CostPolicy, PolicyState, depth_band, step_costs
+from .policy import ChainPolicyState, CostPolicy, PolicyState, depth_band, step_costs
 # proposers import common_prefix from here
 from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
@@ -258,13 +258,14 @@ class SpeculativeDecoder:
         seq.history.append(x0)
         seq.x0 = x0
         if self.cfg.policy == "cost":
-            seq.policy = PolicyState()
+            chain = getattr(self.proposer, "names", None)
+            seq.policy = ChainPolicyState(len(chain)) if chain else PolicyState()
             self._costs(engine, seq)  # measured at this depth before the first step, if not yet
         return seq.block([x0], 0, logits)
 
     def _cost_key(self):
         c = self.cfg
-        return (c.label(), c.mtp_head, c.draft_model)
+        return (c.label(), tuple(getattr(self.proposer, "names", ())), c.mtp_head, c.draft_model)
 
     def _costs(self, engine, seq):
         """This depth's costs for the cost policy, timed on first use of the model at this depth band."""
@@ -289,6 +290,12 @@ class SpeculativeDecoder:
         if cfg.policy == "cost" and costs is not None:
             if batch > 1 and engine is not None:
                 costs = step_costs(engine).batch_costs(engine, seq, batch, len(costs.rows), costs)
+            if isinstance(seq.policy, ChainPolicyState):  # each member priced on its own record
+                t0 = time.perf_counter()
+                seq.pending = self.proposer.propose_priced(seq.draft, seq.history, k, seq.draft_sampler,
+                                                           cfg.p_min, cfg.p_cum, seq.policy, costs)
+                seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
+                return [seq.x0] + seq.pending[0]
             k = CostPolicy.limit(seq.policy, costs, k)
             keep = CostPolicy.keeper(seq.policy, costs)
         t0 = time.perf_counter()
