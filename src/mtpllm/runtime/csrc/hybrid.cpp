@@ -29,8 +29,9 @@
 // Lazy replay (RecurrentCache's protocol): a forward writes only its final state, to slot 1 - base,
 // and records each row's inputs [k | v | decay | beta] per head; a trim leaves the state of slot base
 // plus the kept recorded rows as the committed state, and the next forward replays those rows in the
-// same per-head pass that reads the state (compute on a 64 KB head state held in L2) instead of every
-// verification row writing a whole state (H dk dv floats per layer) to memory. The state the replay
+// same per-head pass that reads the state (compute on column blocks of the head state held in L1,
+// delta_rule_head) instead of every verification row writing a whole state (H dk dv floats per
+// layer) to memory. The state the replay
 // gives is written back to slot base when this forward has rows a trim could keep. The convolution
 // inputs are appended to the cache's history. Every row's arithmetic is fixed (the same order of
 // operations whatever T, whatever the number of threads, replayed or not), so a row gives the same
@@ -196,16 +197,93 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
     }
 }
 
-// Replays rows [0, n) recorded for head h (records [max_rows, H, dk + dv + 2], per head [k | v | decay
-// | beta]) on state src [dk, dv] into loc: state updates only, the arithmetic of the forward's rows.
-inline void replay_rows(const float* src, float* loc, const float* rec, int64_t n, int64_t h, int64_t H, int64_t dk,
-                        int64_t dv, float* mem, float* delta) {
+// One row of the delta rule as delta_rule_head takes it: its inputs, and where its output o = S^T q
+// goes (o == nullptr: a replayed row, state update only, q unused).
+struct DeltaRow {
+  const float *q, *k, *v;
+  float dec, bt;
+  float* o;
+};
+
+constexpr int64_t kCols = 32;  // state columns per block in delta_rule_head: 4 registers of 8
+
+// rows [0, n) of the delta rule over one head's state, read from `from` [dk, dv]; the state after row
+// keep - 1 is written back to `from` (keep > 0), the final one to dst. The columns of the state are
+// independent (column j needs only mem[j], delta[j], o[j]), so several rows run column block by
+// column block: a block [dk, kCols] (16 KB) stays in L1 through all the rows, its accumulators in
+// registers, where whole-row sweeps would stream the 64 KB head state from L2 twice per row. A single
+// row reads and writes the state once in order (delta_rule_row: memory-bound). Every element gets
+// the operations of delta_rule_row in the same order either way: the same bits. work: dk x dv floats.
+inline void delta_rule_head(float* from, float* dst, const DeltaRow* rows, int64_t n, int64_t keep, int64_t dk,
+                            int64_t dv, float* work, float* mem, float* delta) {
+  if (n == 1 || dv % kCols != 0) {
+    const float* src = from;
+    for (int64_t t = 0; t < n; ++t) {
+      const DeltaRow& R = rows[t];
+      if (t == n - 1 && R.o)
+        delta_rule_row<true, true>(src, work, dst, R.q, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, R.o);
+      else if (t == n - 1)
+        delta_rule_row<false, true>(src, work, dst, nullptr, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, nullptr);
+      else if (R.o)
+        delta_rule_row<true, false>(src, work, nullptr, R.q, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, R.o);
+      else
+        delta_rule_row<false, false>(src, work, nullptr, nullptr, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, nullptr);
+      src = work;
+      if (t + 1 == keep) std::memcpy(from, work, dk * dv * sizeof(float));
+    }
+    return;
+  }
+  const bool stream = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  for (int64_t j0 = 0; j0 < dv; j0 += kCols) {
+    const float* src = from + j0;
+    int64_t ld = dv;  // src's row stride: the state, then the block
+    for (int64_t t = 0; t < n; ++t) {
+      const DeltaRow& R = rows[t];
+      const __m256 vd = _mm256_set1_ps(R.dec), vb = _mm256_set1_ps(R.bt);
+      __m256 m[4], d[4], o[4];
+      for (int c = 0; c < 4; ++c) m[c] = o[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m256 ki = _mm256_set1_ps(R.k[i]);
+        const float* sr = src + i * ld;
+        for (int c = 0; c < 4; ++c) m[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), vd), ki, m[c]);
+      }
+      for (int c = 0; c < 4; ++c) d[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(R.v + j0 + 8 * c), m[c]), vb);
+      const bool last = t == n - 1;
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m256 ki = _mm256_set1_ps(R.k[i]), qi = _mm256_set1_ps(R.o ? R.q[i] : 0.0f);
+        const float* sr = src + i * ld;
+        float* br = work + i * kCols;
+        float* dr = dst + i * dv + j0;
+        for (int c = 0; c < 4; ++c) {
+          const __m256 sv = _mm256_fmadd_ps(ki, d[c], _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), vd));
+          if (!last) {
+            _mm256_storeu_ps(br + 8 * c, sv);
+          } else if (stream) {
+            _mm256_stream_ps(dr + 8 * c, sv);
+          } else {
+            _mm256_storeu_ps(dr + 8 * c, sv);
+          }
+          o[c] = _mm256_fmadd_ps(sv, qi, o[c]);
+        }
+      }
+      if (R.o)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(R.o + j0 + 8 * c, o[c]);
+      src = work;
+      ld = kCols;
+      if (t + 1 == keep)
+        for (int64_t i = 0; i < dk; ++i) std::memcpy(from + i * dv + j0, work + i * kCols, kCols * sizeof(float));
+    }
+  }
+}
+
+// The rows recorded for head h (records [max_rows, H, dk + dv + 2], per head [k | v | decay | beta])
+// as replayed rows.
+inline void recorded_rows(const float* rec, int64_t n, int64_t h, int64_t H, int64_t dk, int64_t dv,
+                          std::vector<DeltaRow>& out) {
   const int64_t W = dk + dv + 2;
   for (int64_t t = 0; t < n; ++t) {
     const float* r = rec + (t * H + h) * W;
-    delta_rule_row<false, false>(src, loc, nullptr, nullptr, r, r + dk, r[dk + dv], r[dk + dv + 1], dk, dv, mem,
-                                 delta, nullptr);
-    src = loc;
+    out.push_back(DeltaRow{nullptr, r, r + dk, r[dk + dv], r[dk + dv + 1], nullptr});
   }
 }
 
@@ -222,15 +300,19 @@ void replay_delta_rule(at::Tensor states, at::Tensor records, int64_t base, int6
   const int64_t HS = dk * dv, MR = records.size(1);
   float* sp = states.data_ptr<float>();
   const float* rp = records.data_ptr<float>();
+  if (n == 0) return;
   at::parallel_for(0, L * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> mem(dv), delta(dv);
+    std::vector<float> mem(dv), delta(dv), work(HS);
+    std::vector<DeltaRow> rows;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t l = i / H, h = i % H;
       float* st = sp + l * 2 * H * HS;
-      float* out = st + ((1 - base) * H + h) * HS;
-      std::memcpy(out, st + (base * H + h) * HS, HS * sizeof(float));
-      replay_rows(out, out, rp + l * MR * H * (dk + dv + 2), n, h, H, dk, dv, mem.data(), delta.data());
+      rows.clear();
+      recorded_rows(rp + l * MR * H * (dk + dv + 2), n, h, H, dk, dv, rows);
+      delta_rule_head(st + (base * H + h) * HS, st + ((1 - base) * H + h) * HS, rows.data(), n, 0, dk, dv,
+                      work.data(), mem.data(), delta.data());
     }
+    _mm_sfence();
   });
 }
 
@@ -476,48 +558,38 @@ struct HybridStack : torch::CustomClassHolder {
     const int64_t HS = dk * dv;
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, HS * (T + replay)));
     at::parallel_for(0, nv, grain, [&](int64_t h0, int64_t h1) {
-      // the head's state is worked on in `loc` (64 KB for 128 x 128: it stays in L2 from row to
-      // row); the slot base is read once, the final state streamed to the other slot (written but
-      // never read here: no read of the slot's old contents)
-      std::vector<float> mem(dv), delta(dv), o(dv), loc(HS);
+      // per head: the rows a trim kept of the last forward (state updates only), then this forward's;
+      // slot base is read once (and, when this forward has rows a trim could keep, gets the state the
+      // replay gives: the committed state it starts from), the final state streamed to the other slot
+      std::vector<float> mem(dv), delta(dv), work(HS), o(T * dv);
+      std::vector<DeltaRow> rows;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t kh = L.tiled ? h % nk : h / r;
-        float* from = sp + (base * nv + h) * HS;
-        float* dst = sp + ((1 - base) * nv + h) * HS;
-        const float* src = from;
-        // the rows a trim kept of the last forward: state updates only
-        if (replay > 0) {
-          replay_rows(from, loc.data(), rp, replay, h, nv, dk, dv, mem.data(), delta.data());
-          src = loc.data();
-          // the committed state this forward starts from, which a trim of its rows goes back to
-          if (T > 1) std::memcpy(from, loc.data(), HS * sizeof(float));
-        }
+        rows.clear();
+        recorded_rows(rp, replay, h, nv, dk, dv, rows);
         for (int64_t t = 0; t < T; ++t) {
           const float* ct = c.data() + t * C;
-          const float* q = ct + kh * dk;
-          const float* k = ct + nk * dk + kh * dk;
-          const float* v = ct + 2 * nk * dk + h * dv;
-          const float dec = decay[t * nv + h], bt = beta[t * nv + h];
+          rows.push_back(DeltaRow{ct + kh * dk, ct + nk * dk + kh * dk, ct + 2 * nk * dk + h * dv, decay[t * nv + h],
+                                  beta[t * nv + h], o.data() + t * dv});
+        }
+        delta_rule_head(sp + (base * nv + h) * HS, sp + ((1 - base) * nv + h) * HS, rows.data(), replay + T,
+                        T > 1 ? replay : 0, dk, dv, work.data(), mem.data(), delta.data());
+        for (int64_t t = 0; t < T; ++t) {
           // the row's inputs, for a replay after a trim (the replay above has read the old ones)
+          const DeltaRow& R = rows[replay + t];
           float* rt = rp + (t * nv + h) * W;
-          std::memcpy(rt, k, dk * sizeof(float));
-          std::memcpy(rt + dk, v, dv * sizeof(float));
-          rt[dk + dv] = dec;
-          rt[dk + dv + 1] = bt;
-          if (t == T - 1)
-            delta_rule_row<true, true>(src, loc.data(), dst, q, k, v, dec, bt, dk, dv, mem.data(), delta.data(),
-                                       o.data());
-          else
-            delta_rule_row<true, false>(src, loc.data(), nullptr, q, k, v, dec, bt, dk, dv, mem.data(), delta.data(),
-                                        o.data());
-          src = loc.data();
+          std::memcpy(rt, R.k, dk * sizeof(float));
+          std::memcpy(rt + dk, R.v, dv * sizeof(float));
+          rt[dk + dv] = R.dec;
+          rt[dk + dv + 1] = R.bt;
           // per-head RMSNorm (plain weight) times silu(z)
+          const float* ot = o.data() + t * dv;
           const float* z = p + t * N + C + h * dv;
           float* yo = y + t * nv * dv + h * dv;
-          const float inv = 1.0f / std::sqrt(dot(o.data(), o.data(), dv) / static_cast<float>(dv) + ne);
+          const float inv = 1.0f / std::sqrt(dot(ot, ot, dv) / static_cast<float>(dv) + ne);
           for (int64_t j = 0; j < dv; ++j) yo[j] = z[j];
           silu_inplace(yo, dv);
-          for (int64_t j = 0; j < dv; ++j) yo[j] = o[j] * inv * nw[j] * yo[j];
+          for (int64_t j = 0; j < dv; ++j) yo[j] = ot[j] * inv * nw[j] * yo[j];
         }
       }
       _mm_sfence();  // the streamed stores are visible before the states are read again
