@@ -143,7 +143,7 @@ struct HLayer {
 };
 
 // One row of the delta rule for one head: state src [dk, dv] -> the new state, written to loc (the
-// working copy, may be src) and, kStore, to dst (the cache's slot); kOut: o = S^T q (a replayed row
+// working copy, may be src) or, kStore (the last row), to dst (the cache's slot) only; kOut: o = S^T q (a replayed row
 // has no output: q and o unused). Two sweeps: the first only reads (mem = (S exp(g))^T k), the
 // second computes S exp(g) + k delta^T with delta = beta (v - mem) and o. The arithmetic per element
 // is fixed (the same for every row count and thread, with or without output).
@@ -173,13 +173,12 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
       const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(kOut ? q[i] : 0.0f);
       for (int64_t j = 0; j < dv; j += 8) {
         const __m256 sv = _mm256_fmadd_ps(ki, _mm256_loadu_ps(delta + j), _mm256_mul_ps(_mm256_loadu_ps(sr + j), vd));
-        _mm256_storeu_ps(lr + j, sv);
-        if (kStore) {
-          if (stream)
-            _mm256_stream_ps(dr + j, sv);
-          else
-            _mm256_storeu_ps(dr + j, sv);
-        }
+        if (!kStore)
+          _mm256_storeu_ps(lr + j, sv);
+        else if (stream)
+          _mm256_stream_ps(dr + j, sv);
+        else
+          _mm256_storeu_ps(dr + j, sv);
         if (kOut) _mm256_storeu_ps(o + j, _mm256_fmadd_ps(sv, qi, _mm256_loadu_ps(o + j)));
       }
     }
@@ -191,8 +190,10 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
       const float sv = std::fma(k[i], delta[j], src[i * dv + j] * dec);
-      loc[i * dv + j] = sv;
-      if (kStore) dst[i * dv + j] = sv;
+      if (kStore)
+        dst[i * dv + j] = sv;
+      else
+        loc[i * dv + j] = sv;
       if (kOut) o[j] = std::fma(sv, q[i], o[j]);
     }
 }
