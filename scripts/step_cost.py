@@ -1,7 +1,7 @@
 """What one speculative step costs against one plain step, in one process.
 
     python scripts/step_cost.py [-m qwen2.5-coder-1.5b] [--spec mtp:3] [-t 2] [--stages] [--no-decode]
-                                [--rows 1,4] [-r 25] [--choice x8_tile4=0,3]
+                                [--rows 1,4] [-r 25] [--choice x8_tile4=0,3] [--replay 2]
 
 Decodes one code prompt plain and with speculation (three rounds, alternating; draft and
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
@@ -9,6 +9,9 @@ at ~300 positions with and without the logits and their argmax (25 alternations,
 The per-stage figures in docs/kernels.md come from this script. `--choice NAME=A,B` times the
 forwards (and stages) under each value of a kernel choice (`kernels.NAME(value)`, e.g. x8_tile4),
 alternating between them in every repetition, so that the comparison survives other load.
+`--replay R` (a hybrid model) also times each forward right after a verification block rolled back
+to R kept rows, so that it replays them first (runtime/cache.py RecurrentCache): the part of a
+verification's cost paid by the step after it.
 """
 import argparse
 import statistics
@@ -32,6 +35,8 @@ def main():
     ap.add_argument("--rows", default="1,4", help="forward row counts to time, comma-separated")
     ap.add_argument("-r", "--reps", type=int, default=25, help="alternations of the forward timings")
     ap.add_argument("--choice", help="NAME=A,B: time under each value of kernels.NAME (alternating)")
+    ap.add_argument("--replay", type=int, default=0,
+                    help="also time the forwards after a block of R + 1 rows trimmed to R (a pending replay)")
     a = ap.parse_args()
     eng = Engine.load(a.model, n_ctx=1024, threads=a.threads)
     method, k = a.spec.split(":")
@@ -59,6 +64,11 @@ def main():
             if logits:
                 m.logits(h).argmax(-1).tolist()
 
+        def pending(r):  # (untimed) a block of r + 1 rows rolled back to r: its next forward replays them
+            if r:
+                m(torch.tensor(ids[:r + 1]), cache)
+                cache.trim(1)
+
         def back(T):  # undo the forward (outside the timed part): a recurrent state cannot drop all T rows
             if cache.max_trim() >= T:
                 cache.trim(T)
@@ -70,29 +80,33 @@ def main():
             from mtpllm.runtime import kernels
             name, vals = a.choice.split("=")
             choice, values = getattr(kernels, name), [int(v) for v in vals.split(",")]
-        cases = {(v, T, lg): f"{T} row(s){' + logits' if lg else ''}" + (f" [{a.choice.split('=')[0]}={v}]" if choice else "")
-                 for lg in (False, True) for T in rows for v in values}
+        replays = [0] + ([a.replay] if a.replay else [])
+        cases = {(v, T, lg, r): f"{T} row(s){' + logits' if lg else ''}" + (f" after a trim to {r} rows" if r else "")
+                 + (f" [{a.choice.split('=')[0]}={v}]" if choice else "")
+                 for r in replays for lg in (False, True) for T in rows for v in values}
         times = {c: [] for c in cases}
         for _ in range(a.reps):
-            for (v, T, lg) in cases:
+            for (v, T, lg, r) in cases:
                 if choice:
                     choice(v)
+                pending(r)
                 t0 = time.perf_counter()
                 forward(T, lg)
-                times[(v, T, lg)].append((time.perf_counter() - t0) * 1e3)
-                back(T)
+                times[(v, T, lg, r)].append((time.perf_counter() - t0) * 1e3)
+                back(T + r)
         stages = {}
         stack = getattr(m, "_stack", None)
         if a.stages and stack is not None and stack is not False:  # the C++ blocks' own timers, per stage, summed over the layers
-            runs = {(v, T): [] for v in values for T in rows}
+            runs = {(v, T, r): [] for v in values for r in replays for T in rows}
             for _ in range(a.reps):
-                for (v, T) in runs:
+                for (v, T, r) in runs:
                     if choice:
                         choice(v)
+                    pending(r)
                     stack.set_timing(True)
                     forward(T, False)
-                    runs[(v, T)].append(stack.stage_times())
-                    back(T)
+                    runs[(v, T, r)].append(stack.stage_times())
+                    back(T + r)
             stack.set_timing(False)
             stages = {key: [statistics.median(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
             fastest = {key: [min(r[i] for r in rs) for i in range(len(rs[0]))] for key, rs in runs.items()}
@@ -104,12 +118,14 @@ def main():
         names = ("DeltaNet norm + proj", "delta rule", "DeltaNet output", "attn norm + QKV", "attention",
                  "attn output", "FFN")
     for v in values if stages else ():
-        print(f"stages{f', {a.choice.split(chr(61))[0]}={v}' if choice else ''}: medians of {a.reps} (fastest)")
-        for i, name in enumerate(names):
-            print(f"  {name:<18} " + "   ".join(f"{T} row(s) {stages[(v, T)][i]:6.2f} ms (min {fastest[(v, T)][i]:6.2f})"
-                                              for T in rows))
-        print(f"  {'all blocks':<18} " + "   ".join(f"{T} row(s) {sum(stages[(v, T)]):6.2f} ms (min {sum(fastest[(v, T)]):6.2f})"
-                                                  for T in rows))
+        for r in replays:
+            print(f"stages{f', {a.choice.split(chr(61))[0]}={v}' if choice else ''}"
+                  f"{f', after a trim to {r} rows' if r else ''}: medians of {a.reps} (fastest)")
+            for i, name in enumerate(names):
+                print(f"  {name:<18} " + "   ".join(
+                    f"{T} row(s) {stages[(v, T, r)][i]:6.2f} ms (min {fastest[(v, T, r)][i]:6.2f})" for T in rows))
+            print(f"  {'all blocks':<18} " + "   ".join(
+                f"{T} row(s) {sum(stages[(v, T, r)]):6.2f} ms (min {sum(fastest[(v, T, r)]):6.2f})" for T in rows))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mtpllm.errors import MtpllmError
-from mtpllm.runtime.cache import Cache, CacheGroup, RecurrentCache
+from mtpllm.runtime.cache import Cache, CacheGroup, RecurrentCache, delta_rule_update
 from mtpllm.runtime.kv_cache import SWA_SLACK, KVCache
 
 H, K, V, C, KL = 2, 3, 4, 5, 3  # heads, key dim, value dim, conv channels, conv state length
@@ -13,23 +13,25 @@ H, K, V, C, KL = 2, 3, 4, 5, 3  # heads, key dim, value dim, conv channels, conv
 
 def _feed(cache: RecurrentCache, x: torch.Tensor) -> torch.Tensor:
     """A small recurrent layer written against the cache API: causal depthwise convolution over the
-    inputs, then a gated outer-product recurrence S_t = g_t S_{t-1} + k_t v_t^T. x [T, C] -> y [T, V]
-    (one output per row: the state read with a fixed query). Layer 0 only."""
+    inputs, then the delta rule (`delta_rule_update`) with k, v, decay and beta read off the
+    convolution; rows recorded for a rollback, the final state written. x [T, C] -> y [T, V] (one
+    output per row: the state summed over heads and keys). Layer 0 only."""
     T = x.shape[0]
     w = torch.linspace(0.5, 1.5, KL + 1)[:, None]  # conv weights [KL + 1, 1]
     hist = torch.cat([cache.conv_state(0).clone(), x])  # [KL + T, C]: read before push_conv
     cache.push_conv(0, x)
-    s = cache.state_of(0).clone()
+    s = cache.state_of(0)
     ys = []
     for t in range(T):
         c = (hist[t:t + KL + 1] * w).sum(0)  # [C]
-        k = c[:K].repeat(H, 1)  # [H, K]
+        k = torch.nn.functional.normalize(c[:K], dim=0).repeat(H, 1)  # [H, K]
         v = torch.tanh(c[:V]).repeat(H, 1)  # [H, V]
-        g = torch.sigmoid(c[-1])
-        s = g * s + k[:, :, None] * v[:, None, :]
-        if T <= cache.max_rows or t == T - 1:
-            cache.row_state(0, t).copy_(s)
+        decay, beta = torch.sigmoid(c[-1]).repeat(H), torch.sigmoid(c[1]).repeat(H)
+        s = delta_rule_update(s, k, v, decay, beta)
+        if T <= cache.max_rows:
+            cache.record_row(0, t, k, v, decay, beta)
         ys.append(s.sum((0, 1)))
+    cache.final_state(0).copy_(s)
     cache.advance(T)
     return torch.stack(ys)
 
@@ -74,6 +76,59 @@ def test_recurrent_trim_limits():
     a.trim(1)
     a.trim(1)  # two trims of the same block add up
     assert a.max_trim() == 0 and a.length == 11
+
+
+def _same(a: RecurrentCache, b: RecurrentCache):
+    assert a.length == b.length
+    assert torch.equal(a.state_of(0), b.state_of(0))
+    assert torch.equal(a.conv_state(0), b.conv_state(0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_recurrent_lazy_replay_equals_feeding_only_the_kept_rows(seed):
+    """Blocks of random sizes each trimmed by a random amount (sometimes twice, sometimes not at
+    all), with snapshots, restores and single rows between them: the state and outputs are bit for
+    bit those of a cache fed only the kept rows, whether the pending replay is applied by the next
+    forward or by `materialize` (a snapshot, `state_of`)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = _rec(max_rows=6), _rec(max_rows=6)
+    x = torch.randn(12, C, generator=g)
+    _feed(a, x)
+    _feed(b, x)
+    snap = None
+    for step in range(40):
+        T = int(torch.randint(1, 7, (1,), generator=g))
+        blk = torch.randn(T, C, generator=g)
+        ya = _feed(a, blk)
+        n = int(torch.randint(0, T, (1,), generator=g))
+        first = int(torch.randint(0, n + 1, (1,), generator=g))
+        assert a.trim(first) == first  # two trims of the same block add up (a trim of 0 included)
+        assert a.trim(n - first) == n - first
+        assert a.max_trim() == T - n - 1
+        yb = _feed(b, blk[:T - n])
+        assert torch.equal(ya[:T - n], yb)
+        what = int(torch.randint(0, 4, (1,), generator=g))
+        if what == 0:
+            _same(a, b)  # materialized here
+            assert a.max_trim() == T - n - 1  # ... and still as trimmable
+        elif what == 1:
+            snap = a.snapshot(), b.snapshot()
+            assert snap[0][0] == snap[1][0] and torch.equal(snap[0][2], snap[1][2])
+        elif what == 2 and snap is not None:
+            a.restore(snap[0])
+            b.restore(snap[1])
+            assert a.max_trim() == 0
+    _same(a, b)
+    a.reset()
+    assert a.length == a.max_trim() == 0 and not a.state_of(0).any()
+
+
+def test_recurrent_keeps_two_states():
+    """Memory: two delta-rule states per layer (the committed one and the one before the last
+    forward) and the recorded rows, not one state per verification row."""
+    a = _rec(max_rows=8)
+    assert a.state.shape == (1, 2, H, K, V)
+    assert a.nbytes() == 4 * (a.conv.numel() + 2 * H * K * V + 8 * H * (K + V + 2))
 
 
 def test_recurrent_snapshot_restore():

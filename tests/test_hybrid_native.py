@@ -29,6 +29,9 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not kernels.expected(), reason="the CPU kernels are not used on this machine")
 
 KINDS = ["qwen35", "qwen35moe", "qwen3next"]
+# value heads of 64: the C++ delta rule's column-block path (value heads a multiple of 32 wide) besides
+# the row path the other checkpoints (value heads of 8) take
+WIDE = {"linear_key_head_dim": 32, "linear_value_head_dim": 64}
 TOKENS = [5, 17, 200, 33, 9, 101, 44, 3, 250, 7, 66, 12] * 4
 CHUNKS = [20, 1, 5, 1, 1, 7, 1, 3, 1, 8]  # all below 32 rows: decoding and verification blocks
 TOL_F32 = 2e-5
@@ -44,6 +47,9 @@ def files(tmp_path_factory):
         d, _ = tiny_hybrid.make_tiny_hf(root / kind, kind, echo=0.1)
         out[kind] = {"f32": tiny_hybrid.hf_to_gguf(d, root / f"{kind}-f32.gguf"),
                      "q8": tiny_hybrid.hf_to_gguf(d, root / f"{kind}-q8.gguf", QT.Q8_0)}
+    d, _ = tiny_hybrid.make_tiny_hf(root / "wide", "qwen35", echo=0.1, **WIDE)
+    out["wide"] = {"f32": tiny_hybrid.hf_to_gguf(d, root / "wide-f32.gguf"),
+                   "q8": tiny_hybrid.hf_to_gguf(d, root / "wide-q8.gguf", QT.Q8_0)}
     return out
 
 
@@ -89,7 +95,8 @@ def test_cpp_path_is_taken_and_agrees_with_pytorch(files, kind, weights):
     assert (a[1:] - b[:-1]).abs().max() > 100 * TOL_F32
 
 
-@pytest.mark.parametrize("kind,block,rejected", [("qwen35", 6, 2), ("qwen35moe", 5, 4), ("qwen3next", 3, 1)])
+@pytest.mark.parametrize("kind,block,rejected", [("qwen35", 6, 2), ("qwen35moe", 5, 4), ("qwen3next", 3, 1),
+                                                  ("wide", 4, 2)])
 def test_rows_are_independent_and_rollback_is_exact(files, kind, block, rejected):
     """On the C++ path: a verification block gives each row what decoding it alone gives, bit for
     bit, and after `trim(rejected)` the state is exactly that of feeding only the kept rows."""
@@ -106,6 +113,142 @@ def test_rows_are_independent_and_rollback_is_exact(files, kind, block, rejected
     lb = m.logits(m(torch.tensor(blk[:kept]), b))
     assert torch.equal(la[:kept], lb)
     assert torch.equal(m.logits(m(torch.tensor(after), a)), m.logits(m(torch.tensor(after), b)))
+
+
+@pytest.mark.parametrize("dv", [8, 64])
+def test_replay_kernel_rows_at_once_equal_rows_one_by_one(dv):
+    """kernels.replay_delta_rule over n rows (for value heads a multiple of 32 wide: column blocks held
+    in L1 through all rows) gives the bits of n one-row replays (whole-row sweeps), and the delta rule
+    (`delta_rule_update`) to float32 rounding."""
+    from mtpllm.runtime.cache import delta_rule_update
+    g = torch.Generator().manual_seed(dv)
+    L, H, dk, n = 2, 3, 16, 5
+    states = torch.randn(L, 2, H, dk, dv, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(L, n, H, dk, generator=g), dim=-1)
+    v = torch.randn(L, n, H, dv, generator=g)
+    gates = torch.rand(L, n, H, 2, generator=g) * 0.8 + 0.1  # decay, beta in (0.1, 0.9)
+    rec = torch.cat([k, v, gates], -1).contiguous()
+    a = states.clone()
+    kernels.replay_delta_rule(a, rec, 0, n)
+    b, base = states.clone(), 0
+    for t in range(n):
+        kernels.replay_delta_rule(b, rec[:, t:t + 1].contiguous(), base, 1)
+        base = 1 - base
+    assert torch.equal(a[:, 1], b[:, base])
+    assert torch.equal(a[:, 0], states[:, 0])  # the base slot is only read
+    for layer in range(L):
+        S = states[layer, 0]
+        for t in range(n):
+            S = delta_rule_update(S, k[layer, t], v[layer, t], gates[layer, t, :, 0], gates[layer, t, :, 1])
+        assert (S - a[layer, 1]).abs().max() < 1e-5
+
+
+def _same_state(a, b):
+    assert a.length == b.length
+    for layer in range(a.rec.state.shape[0]):
+        assert torch.equal(a.rec.state_of(layer), b.rec.state_of(layer))
+        assert torch.equal(a.rec.conv_state(layer), b.rec.conv_state(layer))
+
+
+# (rows of a block, the trims that follow it) or a snapshot / a restore of it
+PLAN = [(5, (2,)), (4, (1, 1)), (1, ()), (6, (0, 3)), (3, (1,)), (1, ()), (2, (1,)), "snapshot", (4, (2,)), (3, ()),
+        "restore", (5, (4,)), (3, (0,)), (4, (3,)), "check", (6, (1,)), (2, ())]
+
+
+@pytest.mark.parametrize("kind", KINDS + ["wide"])
+@pytest.mark.parametrize("native", [True, False], ids=["cpp", "pytorch"])
+def test_lazy_replay_after_trims_is_exact(files, kind, native):
+    """A verification block rolled back by `trim` leaves its kept rows as a pending replay, applied by
+    the next forward (the C++ path: in its delta-rule pass; the PyTorch path: `materialize`) or by a
+    snapshot: logits and states are bit for bit those of feeding only the kept rows, through trims
+    after trims, trims of 0, single rows after a trim, snapshot and restore."""
+    m = load_model(files[kind]["q8"], "fast")
+    if native:
+        _native_only(m)
+    else:
+        m._stack = False  # the per-module PyTorch path
+    a, b = m.make_cache(160), m.make_cache(160)
+    for c in (a, b):
+        m(torch.tensor(TOKENS[:9]), c)
+    toks, pos, snap, replayed = TOKENS * 3, 9, None, 0
+    for step in PLAN:
+        if step == "snapshot":
+            snap = a.snapshot(), b.snapshot(), pos
+            assert torch.equal(snap[0]["rec"][2], snap[1]["rec"][2])
+            continue
+        if step == "restore":
+            a.restore(snap[0])
+            b.restore(snap[1])
+            pos = snap[2]
+            continue
+        if step == "check":
+            _same_state(a, b)  # materializes the pending replay (C++: kernels.replay_delta_rule)
+            continue
+        T, trims = step
+        blk = toks[pos:pos + T]
+        replayed += a.rec.replay()[1]
+        la = m.logits(m(torch.tensor(blk), a))
+        for n in trims:
+            assert a.trim(n) == n
+        kept = T - sum(trims)
+        assert a.rec.replay()[1] == (kept if kept < T else 0)
+        lb = m.logits(m(torch.tensor(blk[:kept]), b))
+        assert torch.equal(la[:kept], lb)
+        pos += kept
+    assert replayed > 10  # the forwards did replay rows
+    _same_state(a, b)
+    assert torch.equal(m.logits(m(torch.tensor(toks[pos:pos + 3]), a)), m.logits(m(torch.tensor(toks[pos:pos + 3]), b)))
+
+
+@pytest.mark.parametrize("kind", ["qwen35", "qwen3next", "wide"])
+def test_lazy_replay_on_both_paths_agrees(files, kind):
+    """The C++ path's replays (in the forward, in `materialize`) and the PyTorch path's give the same
+    states to float32 rounding, and a cache whose rows one path recorded continues on the other."""
+    path = files[kind]["f32"]
+    cpp, ref = load_model(path, "fast"), load_model(path, "fast")
+    ref._stack = False
+    a, b = cpp.make_cache(96), ref.make_cache(96)
+    for m, c in ((cpp, a), (ref, b)):
+        m(torch.tensor(TOKENS[:9]), c)
+        m(torch.tensor(TOKENS[9:14]), c)
+        c.trim(3)
+        m(torch.tensor(TOKENS[20:24]), c)
+        c.trim(1)
+    for layer in range(a.rec.state.shape[0]):
+        assert (a.rec.state_of(layer) - b.rec.state_of(layer)).abs().max() < TOL_F32
+    # the PyTorch path after C++ rows (replayed by kernels.replay_delta_rule) and the other way round
+    cpp(torch.tensor(TOKENS[30:34]), a)
+    a.trim(2)
+    ref(torch.tensor(TOKENS[30:34]), b)
+    b.trim(2)
+    la = ref.logits(ref(torch.tensor(TOKENS[40:43]), a))
+    lb = cpp.logits(cpp(torch.tensor(TOKENS[40:43]), b))
+    assert (la - lb).abs().max() < TOL_F32
+
+
+@pytest.mark.parametrize("kind", KINDS + ["wide"])
+def test_batch_with_pending_replays(files, kind):
+    """forward_batch over sequences each with its own pending replay (verification blocks batched,
+    each trimmed by another amount) == each sequence fed only its kept rows alone."""
+    m = _native_only(load_model(files[kind]["q8"], "fast"))
+    prompts = [TOKENS[:9], TOKENS[3:20], TOKENS[7:12]]
+    blocks = [TOKENS[20:24], TOKENS[24:27], TOKENS[27:32]]
+    trims = [2, 0, 4]
+    nxt = [TOKENS[32:35], TOKENS[35:36], TOKENS[36:38]]
+    batched = [m.make_cache(64) for _ in prompts]
+    for p, c in zip(prompts, batched):
+        m(torch.tensor(p), c)
+    m.forward_batch([torch.tensor(x) for x in blocks], batched)
+    for c, n in zip(batched, trims):
+        c.trim(n)
+    assert [c.rec.replay()[1] for c in batched] == [2, 0, 1]
+    got = m.forward_batch([torch.tensor(x) for x in nxt], batched)
+    for p, blk, n, x, g, cb in zip(prompts, blocks, trims, nxt, got, batched):
+        c = m.make_cache(64)
+        m(torch.tensor(p), c)
+        m(torch.tensor(blk[:len(blk) - n]), c)
+        assert torch.equal(m(torch.tensor(x), c), g)
+        _same_state(c, cb)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MtpllmError
-from ..runtime.cache import CacheGroup, RecurrentCache
+from ..runtime.cache import CacheGroup, RecurrentCache, delta_rule_update
 from ..runtime.kv_cache import KVCache
 from ..runtime.linear import GEMM_MIN_ROWS
 from .layers import Attention, MLP, RMSNorm
@@ -36,24 +36,18 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
-def delta_rule_steps(q, k, v, g, beta, state: torch.Tensor, out_states) -> torch.Tensor:
+def delta_rule_steps(q, k, v, g, beta, state: torch.Tensor):
     """The recurrence row by row. q, k [T, H, dk]; v [T, H, dv]; g, beta [T, H]; state [H, dk, dv]
-    (read only). out_states(t) -> the [H, dk, dv] tensor that receives the state after row t, or
-    None to skip it. Returns o [T, H, dv]. Every row is computed exactly as a one-row call would."""
+    (read only). Returns (o [T, H, dv], final state [H, dk, dv]). Every row is computed exactly as a
+    one-row call would (`delta_rule_update`, which also replays a trimmed cache's rows)."""
     T = q.shape[0]
     S = state
     decay = g.exp()  # [T, H]
     outs = []
     for t in range(T):
-        S = S * decay[t][:, None, None]
-        kv_mem = torch.einsum("hkv,hk->hv", S, k[t])
-        delta = (v[t] - kv_mem) * beta[t][:, None]
-        S = S + k[t][:, :, None] * delta[:, None, :]
+        S = delta_rule_update(S, k[t], v[t], decay[t], beta[t])
         outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
-        dst = out_states(t)
-        if dst is not None:
-            dst.copy_(S)
-    return torch.stack(outs)
+    return torch.stack(outs), S
 
 
 def delta_rule_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK):
@@ -168,18 +162,20 @@ class GatedDeltaNet(nn.Module):
         if T <= rec.max_rows:
             # decoding and verification rows: each row alone, exactly as a one-row forward computes
             # it (elementwise exp/sigmoid are vectorised over the whole tensor, so a row's bits
-            # would otherwise depend on T), and the state after every row goes to its ring slot
+            # would otherwise depend on T); each row's delta-rule inputs are recorded for a replay
+            # after a trim, and only the final state is written
             S = rec.state_of(layer)
             outs = []
             for t in range(T):
                 q, k, v, g, beta, z = self._inputs(p[t:t + 1], hist[t:t + K])
-                o = delta_rule_steps(q, k, v, g, beta, S, lambda _: rec.row_state(layer, t))
-                S = rec.row_state(layer, t)
+                o, S = delta_rule_steps(q, k, v, g, beta, S)
+                rec.record_row(layer, t, k[0], v[0], g.exp()[0], beta[0])
                 outs.append(self._output(o, z))
+            rec.final_state(layer).copy_(S)
             return self.out(torch.cat(outs))
         q, k, v, g, beta, z = self._inputs(p, hist)
         o, final = delta_rule_chunked(q, k, v, g, beta, rec.state_of(layer))
-        rec.row_state(layer, T - 1).copy_(final)
+        rec.final_state(layer).copy_(final)
         return self.out(self._output(o, z))
 
 

@@ -161,6 +161,16 @@ def run(stack, rotary, x: torch.Tensor, caches: list, rows: list[int]) -> torch.
     else:
         cos = sin = torch.empty(0, 0)
     has_rec = all(r is not None for r in recs)
-    return stack.forward_batch(x, [kv.k for kv in kvs], [kv.v for kv in kvs],
-                               [r.conv for r in recs] if has_rec else [], [r.state for r in recs] if has_rec else [],
-                               [r.cur for r in recs] if has_rec else [], starts, rows, cos, sin)
+    bases = replays = []
+    if has_rec:
+        for r in recs:
+            if not r.native:  # rows recorded by the PyTorch path: replayed with its arithmetic
+                r.materialize()
+        bases, replays = (list(v) for v in zip(*(r.replay() for r in recs)))
+    out = stack.forward_batch(x, [kv.k for kv in kvs], [kv.v for kv in kvs],
+                              [r.conv for r in recs] if has_rec else [], [r.state for r in recs] if has_rec else [],
+                              [r.rows for r in recs] if has_rec else [], bases, replays, starts, rows, cos, sin)
+    if has_rec:
+        for r in recs:
+            r.native = True  # the stack replayed the pending rows and recorded its own
+    return out

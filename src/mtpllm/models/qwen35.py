@@ -30,7 +30,7 @@ from . import hybrid_native
 from .deltanet import MLP, Concat, GatedAttention, GatedDeltaNet, HybridBlock, MoE, RMSNorm
 from .layers import Rotary, batch_rows, rope_inv_freq
 
-MAX_VERIFY_ROWS = 32  # recurrent state slots kept per layer: the longest verification block + 1
+MAX_VERIFY_ROWS = 32  # rows a forward records for a rollback (RecurrentCache.max_rows): the longest verification block
 
 
 @dataclass
@@ -80,11 +80,13 @@ class HybridConfig(ModelConfig):
         return "".join("L" if r else "A" for r in self.recurrent)
 
     def recurrent_bytes(self, max_rows: int = MAX_VERIFY_ROWS) -> int:
-        """Bytes of one sequence's recurrent state (independent of the context length), the ring of
-        per-verification-row state slots included."""
+        """Bytes of one sequence's recurrent state (independent of the context length): the
+        convolution history, two delta-rule states (committed, before the last forward) and the
+        recorded rows of the last forward (runtime/cache.py RecurrentCache)."""
         conv = (self.conv_kernel - 1 + max_rows) * self.conv_dim
-        state = (max_rows + 1) * self.ssm_v_heads * self.ssm_k_dim * self.ssm_v_dim
-        return 4 * self.n_recurrent * (conv + state)
+        state = 2 * self.ssm_v_heads * self.ssm_k_dim * self.ssm_v_dim
+        rows = max_rows * self.ssm_v_heads * (self.ssm_k_dim + self.ssm_v_dim + 2)
+        return 4 * self.n_recurrent * (conv + state + rows)
 
     def cache_bytes(self, n_ctx: int) -> int:
         """KV cache of the attention layers (and MTP layers) + recurrent state, float32."""

@@ -336,3 +336,11 @@ def hybrid_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: boo
     decoding and verification rows with `forward_batch(...)` (`models/hybrid_native.py` builds and runs it)."""
     _op("silu_mul")  # builds the extension (and fails with its reason) first
     return torch.classes.mtpllm.HybridStack(n_heads, n_kv, head_dim, rot_dim, neox, scale, eps, qk_eps)
+
+
+def replay_delta_rule(states: torch.Tensor, records: torch.Tensor, base: int, n: int) -> None:
+    """A recurrent cache's pending replay with the C++ forward's arithmetic (csrc/hybrid.cpp):
+    states [L, 2, H, dk, dv], records [L, max_rows, H, dk + dv + 2]; slot 1 - base of every layer
+    gets slot base with the first n recorded rows applied (`RecurrentCache.materialize`)."""
+    _op("silu_mul")  # builds the extension (and fails with its reason) first
+    torch.ops.mtpllm.replay_delta_rule(states, records, base, n)

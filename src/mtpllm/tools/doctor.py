@@ -248,7 +248,7 @@ def _memory(g, cfg, ctx: int, mode: str, r: Report) -> None:
     state = f"KV cache {(kv - rec) / gib:.2f} GiB (context {ctx})"
     if rec:
         state += (f" + recurrent state {rec / gib:.3f} GiB ({cfg.n_recurrent} DeltaNet layers, with the "
-                  f"per-verification-row slots speculation rolls back to)")
+                  f"state and rows speculation rolls back to)")
     msg = f"weights ~{w / gib:.2f} GiB + {state} + runtime {OVERHEAD_BYTES / gib:.2f} GiB = {need / gib:.2f} GiB"
     if not avail:
         r.add("memory", "info", msg + "; available memory unknown")

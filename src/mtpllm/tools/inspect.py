@@ -178,7 +178,7 @@ def format_text(r: dict, all_tensors: bool = False) -> str:
                              f"{a['expert_ffn']}, shared expert ffn {a['shared_ffn']}")
             lines.append(f"  state per sequence: KV {a['kv_bytes_per_token']:,d} bytes per token (attention and "
                          f"MTP layers) + recurrent {_mib(a['recurrent_state_bytes'])} (context-independent, "
-                         f"with the per-verification-row slots speculation rolls back to)")
+                         f"with the state and rows speculation rolls back to)")
     lines.append("\n== rope")
     lines.append("  " + ", ".join(f"{k} {v}" for k, v in r["rope"].items()))
     m = r["mtp"]

@@ -9,24 +9,33 @@
 //                                     returns its id
 //     add_deltanet(...), add_attention(...)   a block's token mixer and its norms
 //     set_mlp(gate_up, down), set_moe(...)    the last added block's feed-forward
-//     forward_batch(x, ks, vs, convs, states, curs, starts, rows, cos, sin)
+//     forward_batch(x, ks, vs, convs, states, records, bases, replays, starts, rows, cos, sin)
 //                                     all blocks over x [R, D]: rows[s] consecutive rows of sequence s
 //                                     at positions [starts[s], +rows[s]) of its caches: KV ks[s], vs[s]
 //                                     [attention layers, KV, max_len, hd]; recurrent convs[s]
 //                                     [recurrent layers, K - 1 + max_rows, C], states[s] [recurrent
-//                                     layers, max_rows + 1, H, dk, dv] with committed slot curs[s]
-//                                     (runtime/cache.py RecurrentCache). Returns the residual stream.
+//                                     layers, 2, H, dk, dv] starting from slot bases[s] after replaying
+//                                     the first replays[s] rows recorded in records[s] [recurrent
+//                                     layers, max_rows, H, dk + dv + 2] (runtime/cache.py
+//                                     RecurrentCache). Returns the residual stream.
+//   replay_delta_rule(states, records, base, n)   a cache's pending replay: every layer's state in
+//                                     slot base with the first n recorded rows applied -> slot 1 - base
 //
 // The Gated DeltaNet step of one row (transformers' torch_recurrent_gated_delta_rule), per value head h
 // with state S [dk, dv]:
 //   c = silu(causal depthwise conv1d over the last K inputs)   q, k, v = split(c)
 //   q, k L2-normalised, q *= dk^-1/2;  beta = sigmoid(b);  g = A * softplus(a + dt_bias)
 //   S = S * exp(g);  S += k (beta (v - S^T k))^T;  o = S^T q;  y = rmsnorm(o) * w * silu(z)
-// The state after row t is written to its own ring slot (cur + 1 + t) mod (max_rows + 1) and the
-// convolution inputs are appended to the cache's history, as RecurrentCache's protocol has it: rolling
-// a verification back stays a move of the committed slot. Every row's arithmetic is fixed (the same
-// order of operations whatever T, whatever the number of threads), so a row gives the same bits
-// decoded alone or verified in a block: speculative decoding stays greedy-identical.
+// Lazy replay (RecurrentCache's protocol): a forward writes only its final state, to slot 1 - base,
+// and records each row's inputs [k | v | decay | beta] per head; a trim leaves the state of slot base
+// plus the kept recorded rows as the committed state, and the next forward replays those rows in the
+// same per-head pass that reads the state (compute on column blocks of the head state held in L1,
+// delta_rule_head) instead of every verification row writing a whole state (H dk dv floats per
+// layer) to memory. The state the replay
+// gives is written back to slot base when this forward has rows a trim could keep. The convolution
+// inputs are appended to the cache's history. Every row's arithmetic is fixed (the same order of
+// operations whatever T, whatever the number of threads, replayed or not), so a row gives the same
+// bits decoded alone, verified in a block or replayed: speculative decoding stays greedy-identical.
 //
 // Matrix products use the same kernels as the per-module path (gguf_linear_rows; float32 parts
 // row by row through at::linear, as Linear("f32") computes verification rows), attention the fused
@@ -113,15 +122,17 @@ struct HLayer {
 };
 
 // One row of the delta rule for one head: state src [dk, dv] -> the new state, written to loc (the
-// working copy, may be src) and to dst (its ring slot); o = S^T q. Two sweeps: the first only reads
-// (mem = (S exp(g))^T k), the second computes S exp(g) + k delta^T with delta = beta (v - mem) and
-// o. The arithmetic per element is fixed (the same for every row count and thread).
+// working copy, may be src) or, kStore (the last row), to dst (the cache's slot) only; kOut: o = S^T q (a replayed row
+// has no output: q and o unused). Two sweeps: the first only reads (mem = (S exp(g))^T k), the
+// second computes S exp(g) + k delta^T with delta = beta (v - mem) and o. The arithmetic per element
+// is fixed (the same for every row count and thread, with or without output).
+template <bool kOut, bool kStore>
 inline void delta_rule_row(const float* src, float* loc, float* dst, const float* q, const float* k, const float* v,
                            float dec, float bt, int64_t dk, int64_t dv, float* mem, float* delta, float* o) {
   const bool vec = dv % 8 == 0;
-  const bool stream = vec && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  const bool stream = kStore && vec && reinterpret_cast<uintptr_t>(dst) % 32 == 0;
   std::fill(mem, mem + dv, 0.0f);
-  std::fill(o, o + dv, 0.0f);
+  if (kOut) std::fill(o, o + dv, 0.0f);
   if (vec) {
     const __m256 vd = _mm256_set1_ps(dec);
     for (int64_t i = 0; i < dk; ++i) {
@@ -138,15 +149,16 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
       const float* sr = src + i * dv;
       float* lr = loc + i * dv;
       float* dr = dst + i * dv;
-      const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+      const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(kOut ? q[i] : 0.0f);
       for (int64_t j = 0; j < dv; j += 8) {
         const __m256 sv = _mm256_fmadd_ps(ki, _mm256_loadu_ps(delta + j), _mm256_mul_ps(_mm256_loadu_ps(sr + j), vd));
-        _mm256_storeu_ps(lr + j, sv);
-        if (stream)
+        if (!kStore)
+          _mm256_storeu_ps(lr + j, sv);
+        else if (stream)
           _mm256_stream_ps(dr + j, sv);
         else
           _mm256_storeu_ps(dr + j, sv);
-        _mm256_storeu_ps(o + j, _mm256_fmadd_ps(sv, qi, _mm256_loadu_ps(o + j)));
+        if (kOut) _mm256_storeu_ps(o + j, _mm256_fmadd_ps(sv, qi, _mm256_loadu_ps(o + j)));
       }
     }
     return;
@@ -157,10 +169,131 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
       const float sv = std::fma(k[i], delta[j], src[i * dv + j] * dec);
-      loc[i * dv + j] = sv;
-      dst[i * dv + j] = sv;
-      o[j] = std::fma(sv, q[i], o[j]);
+      if (kStore)
+        dst[i * dv + j] = sv;
+      else
+        loc[i * dv + j] = sv;
+      if (kOut) o[j] = std::fma(sv, q[i], o[j]);
     }
+}
+
+// One row of the delta rule as delta_rule_head takes it: its inputs, and where its output o = S^T q
+// goes (o == nullptr: a replayed row, state update only, q unused).
+struct DeltaRow {
+  const float *q, *k, *v;
+  float dec, bt;
+  float* o;
+};
+
+constexpr int64_t kCols = 32;  // state columns per block in delta_rule_head: 4 registers of 8
+
+// rows [0, n) of the delta rule over one head's state, read from `from` [dk, dv]; the state after row
+// keep - 1 is written back to `from` (keep > 0), the final one to dst. The columns of the state are
+// independent (column j needs only mem[j], delta[j], o[j]), so several rows run column block by
+// column block: a block [dk, kCols] (16 KB) stays in L1 through all the rows, its accumulators in
+// registers, where whole-row sweeps would stream the 64 KB head state from L2 twice per row. A single
+// row reads and writes the state once in order (delta_rule_row: memory-bound). Every element gets
+// the operations of delta_rule_row in the same order either way: the same bits. work: dk x dv floats.
+inline void delta_rule_head(float* from, float* dst, const DeltaRow* rows, int64_t n, int64_t keep, int64_t dk,
+                            int64_t dv, float* work, float* mem, float* delta) {
+  if (n == 1 || dv % kCols != 0) {
+    const float* src = from;
+    for (int64_t t = 0; t < n; ++t) {
+      const DeltaRow& R = rows[t];
+      if (t == n - 1 && R.o)
+        delta_rule_row<true, true>(src, work, dst, R.q, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, R.o);
+      else if (t == n - 1)
+        delta_rule_row<false, true>(src, work, dst, nullptr, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, nullptr);
+      else if (R.o)
+        delta_rule_row<true, false>(src, work, nullptr, R.q, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, R.o);
+      else
+        delta_rule_row<false, false>(src, work, nullptr, nullptr, R.k, R.v, R.dec, R.bt, dk, dv, mem, delta, nullptr);
+      src = work;
+      if (t + 1 == keep) std::memcpy(from, work, dk * dv * sizeof(float));
+    }
+    return;
+  }
+  const bool stream = reinterpret_cast<uintptr_t>(dst) % 32 == 0;
+  for (int64_t j0 = 0; j0 < dv; j0 += kCols) {
+    const float* src = from + j0;
+    int64_t ld = dv;  // src's row stride: the state, then the block
+    for (int64_t t = 0; t < n; ++t) {
+      const DeltaRow& R = rows[t];
+      const __m256 vd = _mm256_set1_ps(R.dec), vb = _mm256_set1_ps(R.bt);
+      __m256 m[4], d[4], o[4];
+      for (int c = 0; c < 4; ++c) m[c] = o[c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m256 ki = _mm256_set1_ps(R.k[i]);
+        const float* sr = src + i * ld;
+        for (int c = 0; c < 4; ++c) m[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), vd), ki, m[c]);
+      }
+      for (int c = 0; c < 4; ++c) d[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(R.v + j0 + 8 * c), m[c]), vb);
+      const bool last = t == n - 1;
+      for (int64_t i = 0; i < dk; ++i) {
+        const __m256 ki = _mm256_set1_ps(R.k[i]), qi = _mm256_set1_ps(R.o ? R.q[i] : 0.0f);
+        const float* sr = src + i * ld;
+        float* br = work + i * kCols;
+        float* dr = dst + i * dv + j0;
+        for (int c = 0; c < 4; ++c) {
+          const __m256 sv = _mm256_fmadd_ps(ki, d[c], _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), vd));
+          if (!last) {
+            _mm256_storeu_ps(br + 8 * c, sv);
+          } else if (stream) {
+            _mm256_stream_ps(dr + 8 * c, sv);
+          } else {
+            _mm256_storeu_ps(dr + 8 * c, sv);
+          }
+          o[c] = _mm256_fmadd_ps(sv, qi, o[c]);
+        }
+      }
+      if (R.o)
+        for (int c = 0; c < 4; ++c) _mm256_storeu_ps(R.o + j0 + 8 * c, o[c]);
+      src = work;
+      ld = kCols;
+      if (t + 1 == keep)
+        for (int64_t i = 0; i < dk; ++i) std::memcpy(from + i * dv + j0, work + i * kCols, kCols * sizeof(float));
+    }
+  }
+}
+
+// The rows recorded for head h (records [max_rows, H, dk + dv + 2], per head [k | v | decay | beta])
+// as replayed rows.
+inline void recorded_rows(const float* rec, int64_t n, int64_t h, int64_t H, int64_t dk, int64_t dv,
+                          std::vector<DeltaRow>& out) {
+  const int64_t W = dk + dv + 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* r = rec + (t * H + h) * W;
+    out.push_back(DeltaRow{nullptr, r, r + dk, r[dk + dv], r[dk + dv + 1], nullptr});
+  }
+}
+
+// A cache's pending replay (RecurrentCache.materialize): states [L, 2, H, dk, dv], records [L, max_rows,
+// H, dk + dv + 2]; slot 1 - base of every layer gets slot base with the first n recorded rows applied.
+void replay_delta_rule(at::Tensor states, at::Tensor records, int64_t base, int64_t n) {
+  TORCH_CHECK(states.dim() == 5 && states.size(1) == 2 && records.dim() == 4 && states.scalar_type() == at::kFloat &&
+                  records.scalar_type() == at::kFloat && states.is_contiguous() && records.is_contiguous(),
+              "replay_delta_rule: states float32 [L, 2, H, dk, dv], records float32 [L, rows, H, dk + dv + 2]");
+  const int64_t L = states.size(0), H = states.size(2), dk = states.size(3), dv = states.size(4);
+  TORCH_CHECK(records.size(0) == L && records.size(2) == H && records.size(3) == dk + dv + 2 && n >= 0 &&
+                  n <= records.size(1) && (base == 0 || base == 1),
+              "replay_delta_rule: records do not match the states");
+  const int64_t HS = dk * dv, MR = records.size(1);
+  float* sp = states.data_ptr<float>();
+  const float* rp = records.data_ptr<float>();
+  if (n == 0) return;
+  at::parallel_for(0, L * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> mem(dv), delta(dv), work(HS);
+    std::vector<DeltaRow> rows;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t l = i / H, h = i % H;
+      float* st = sp + l * 2 * H * HS;
+      rows.clear();
+      recorded_rows(rp + l * MR * H * (dk + dv + 2), n, h, H, dk, dv, rows);
+      delta_rule_head(st + (base * H + h) * HS, st + ((1 - base) * H + h) * HS, rows.data(), n, 0, dk, dv,
+                      work.data(), mem.data(), delta.data());
+    }
+    _mm_sfence();
+  });
 }
 
 struct HybridStack : torch::CustomClassHolder {
@@ -327,23 +460,25 @@ struct HybridStack : torch::CustomClassHolder {
     return run(down, mtpllm::silu_mul_rows(run(gu, h)));
   }
 
-  // One sequence's T rows through DeltaNet layer L: p [T, N] its projections, conv [K - 1 + max_rows, C]
-  // and state [max_rows + 1, H, dk, dv] the layer's part of the sequence's recurrent cache -> y [T, H dv]
+  // One sequence's T rows through DeltaNet layer L: p [T, N] its projections, conv [K - 1 + max_rows, C],
+  // state [2, H, dk, dv] and rec [max_rows, H, dk + dv + 2] the layer's part of the sequence's recurrent
+  // cache, starting from slot base after replaying the first `replay` recorded rows -> y [T, H dv]
   // (before the output projection).
   void deltanet_rows(const HLayer& L, const float* p, int64_t T, int64_t N, at::Tensor& conv, at::Tensor& state,
-                     int64_t cur, float* y) const {
+                     at::Tensor& record, int64_t base, int64_t replay, float* y) const {
     const int64_t nk = L.nk, nv = L.nv, dk = L.dk, dv = L.dv, C = 2 * nk * dk + nv * dv;
     const int64_t K = L.conv_t.size(0), CL = K - 1;
-    const int64_t nbuf = conv.size(0), S = state.size(0), MR = S - 1;
+    const int64_t nbuf = conv.size(0), MR = record.size(0), W = dk + dv + 2;
     TORCH_CHECK(N == C + nv * dv + 2 * nv, "HybridStack: DeltaNet projections have ", N, " outputs, expected ",
                 C + nv * dv + 2 * nv);
-    TORCH_CHECK(conv.size(1) == C && nbuf == CL + MR && state.size(1) == nv && state.size(2) == dk &&
-                    state.size(3) == dv,
+    TORCH_CHECK(conv.size(1) == C && nbuf == CL + MR && state.size(0) == 2 && state.size(1) == nv &&
+                    state.size(2) == dk && state.size(3) == dv && record.size(1) == nv && record.size(2) == W,
                 "HybridStack: recurrent cache does not match the layer");
-    TORCH_CHECK(T <= MR && cur >= 0 && cur < S, "HybridStack: ", T, " rows exceed the recurrent cache's ", MR,
-                " row slots");
+    TORCH_CHECK(T <= MR && replay >= 0 && replay <= MR && (base == 0 || base == 1), "HybridStack: ", T,
+                " rows exceed the recurrent cache's ", MR, " row slots");
     float* cb = conv.data_ptr<float>();
     float* sp = state.data_ptr<float>();
+    float* rp = record.data_ptr<float>();
     // the convolution's inputs: the CL committed ones, then this block's
     std::vector<float> hist((CL + T) * C);
     std::memcpy(hist.data(), cb + (nbuf - CL) * C, CL * C * sizeof(float));
@@ -396,32 +531,40 @@ struct HybridStack : torch::CustomClassHolder {
     const float* nw = L.ssm_norm.data_ptr<float>();
     const float ne = static_cast<float>(eps);
     const int64_t HS = dk * dv;
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, HS * T));
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, HS * (T + replay)));
     at::parallel_for(0, nv, grain, [&](int64_t h0, int64_t h1) {
-      // the head's state is worked on in `loc` (64 KB for 128 x 128: it stays in L2 from row to
-      // row) and each row's result is streamed to its slot, written but never read here: one write
-      // of the state per row and no read of the slot's old contents
-      std::vector<float> mem(dv), delta(dv), o(dv), loc(HS);
+      // per head: the rows a trim kept of the last forward (state updates only), then this forward's;
+      // slot base is read once (and, when this forward has rows a trim could keep, gets the state the
+      // replay gives: the committed state it starts from), the final state streamed to the other slot
+      std::vector<float> mem(dv), delta(dv), work(HS), o(T * dv);
+      std::vector<DeltaRow> rows;
       for (int64_t h = h0; h < h1; ++h) {
         const int64_t kh = L.tiled ? h % nk : h / r;
-        const float* src = sp + (cur * nv + h) * HS;
+        rows.clear();
+        recorded_rows(rp, replay, h, nv, dk, dv, rows);
         for (int64_t t = 0; t < T; ++t) {
-          const int64_t slot = (cur + 1 + std::min(t, MR - 1)) % S;
-          float* dst = sp + (slot * nv + h) * HS;
           const float* ct = c.data() + t * C;
-          const float* q = ct + kh * dk;
-          const float* k = ct + nk * dk + kh * dk;
-          const float* v = ct + 2 * nk * dk + h * dv;
-          const float dec = decay[t * nv + h], bt = beta[t * nv + h];
-          delta_rule_row(src, loc.data(), dst, q, k, v, dec, bt, dk, dv, mem.data(), delta.data(), o.data());
-          src = loc.data();
+          rows.push_back(DeltaRow{ct + kh * dk, ct + nk * dk + kh * dk, ct + 2 * nk * dk + h * dv, decay[t * nv + h],
+                                  beta[t * nv + h], o.data() + t * dv});
+        }
+        delta_rule_head(sp + (base * nv + h) * HS, sp + ((1 - base) * nv + h) * HS, rows.data(), replay + T,
+                        T > 1 ? replay : 0, dk, dv, work.data(), mem.data(), delta.data());
+        for (int64_t t = 0; t < T; ++t) {
+          // the row's inputs, for a replay after a trim (the replay above has read the old ones)
+          const DeltaRow& R = rows[replay + t];
+          float* rt = rp + (t * nv + h) * W;
+          std::memcpy(rt, R.k, dk * sizeof(float));
+          std::memcpy(rt + dk, R.v, dv * sizeof(float));
+          rt[dk + dv] = R.dec;
+          rt[dk + dv + 1] = R.bt;
           // per-head RMSNorm (plain weight) times silu(z)
+          const float* ot = o.data() + t * dv;
           const float* z = p + t * N + C + h * dv;
           float* yo = y + t * nv * dv + h * dv;
-          const float inv = 1.0f / std::sqrt(dot(o.data(), o.data(), dv) / static_cast<float>(dv) + ne);
+          const float inv = 1.0f / std::sqrt(dot(ot, ot, dv) / static_cast<float>(dv) + ne);
           for (int64_t j = 0; j < dv; ++j) yo[j] = z[j];
           silu_inplace(yo, dv);
-          for (int64_t j = 0; j < dv; ++j) yo[j] = o[j] * inv * nw[j] * yo[j];
+          for (int64_t j = 0; j < dv; ++j) yo[j] = ot[j] * inv * nw[j] * yo[j];
         }
       }
       _mm_sfence();  // the streamed stores are visible before the states are read again
@@ -495,18 +638,23 @@ struct HybridStack : torch::CustomClassHolder {
   }
 
   at::Tensor forward_batch(at::Tensor x, std::vector<at::Tensor> ks, std::vector<at::Tensor> vs,
-                           std::vector<at::Tensor> convs, std::vector<at::Tensor> states, std::vector<int64_t> curs,
+                           std::vector<at::Tensor> convs, std::vector<at::Tensor> states,
+                           std::vector<at::Tensor> records, std::vector<int64_t> bases, std::vector<int64_t> replays,
                            std::vector<int64_t> starts, std::vector<int64_t> rows, at::Tensor cos, at::Tensor sin) {
     bool has_rec = false, has_att = false;
     for (const HLayer& L : layers) (L.recurrent ? has_rec : has_att) = true;
     mtpllm::check_batch("HybridStack", x, ks, vs, starts, rows, cos, has_att);
     const size_t S = rows.size();
-    TORCH_CHECK(!has_rec || (convs.size() == S && states.size() == S && curs.size() == S),
+    TORCH_CHECK(!has_rec || (convs.size() == S && states.size() == S && records.size() == S && bases.size() == S &&
+                             replays.size() == S),
                 "HybridStack: one recurrent cache per sequence");
     for (size_t s = 0; has_rec && s < S; ++s) {
-      TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && convs[s].scalar_type() == at::kFloat &&
-                      states[s].scalar_type() == at::kFloat && convs[s].is_contiguous() && states[s].is_contiguous(),
-                  "HybridStack: recurrent caches float32 [layers, rows, C] and [layers, slots, H, dk, dv]");
+      TORCH_CHECK(convs[s].dim() == 3 && states[s].dim() == 5 && records[s].dim() == 4 &&
+                      convs[s].scalar_type() == at::kFloat && states[s].scalar_type() == at::kFloat &&
+                      records[s].scalar_type() == at::kFloat && convs[s].is_contiguous() &&
+                      states[s].is_contiguous() && records[s].is_contiguous(),
+                  "HybridStack: recurrent caches float32 [layers, rows, C], [layers, 2, H, dk, dv] and "
+                  "[layers, rows, H, dk + dv + 2]");
     }
     x = x.contiguous();
     const int64_t H = n_heads, KV = n_kv, hd = head_dim;
@@ -521,10 +669,11 @@ struct HybridStack : torch::CustomClassHolder {
         at::Tensor y = at::empty({x.size(0), L.nv * L.dv}, x.options());
         int64_t off = 0;
         for (size_t s = 0; s < S; ++s) {
-          TORCH_CHECK(L.slot < convs[s].size(0) && L.slot < states[s].size(0), "HybridStack: cache has no slot ",
-                      L.slot);
+          TORCH_CHECK(L.slot < convs[s].size(0) && L.slot < states[s].size(0) && L.slot < records[s].size(0),
+                      "HybridStack: cache has no slot ", L.slot);
           at::Tensor conv = convs[s].select(0, L.slot), state = states[s].select(0, L.slot);
-          deltanet_rows(L, p.data_ptr<float>() + off * N, rows[s], N, conv, state, curs[s],
+          at::Tensor record = records[s].select(0, L.slot);
+          deltanet_rows(L, p.data_ptr<float>() + off * N, rows[s], N, conv, state, record, bases[s], replays[s],
                         y.data_ptr<float>() + off * L.nv * L.dv);
           off += rows[s];
         }
@@ -580,4 +729,5 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
       .def("add_attention", &HybridStack::add_attention)
       .def("set_mlp", &HybridStack::set_mlp)
       .def("set_moe", &HybridStack::set_moe);
+  m.def("replay_delta_rule", &replay_delta_rule);
 }
