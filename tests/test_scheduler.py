@@ -64,6 +64,45 @@ def test_forward_batch_rows_equal_rows_alone(eng):
     assert [c.length for c in caches] == [len(t) - 3 + len(r) for t, r in zip(ids, rows)]
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_step_reads_the_output_matrix_once(eng, k):
+    """The logits of all sequences' rows in a step come from one pass of the output matrix (per
+    sequence it would be read once per sequence), and each sequence still gets its solo tokens."""
+    spec = SpecConfig("mtp", num_speculative_tokens=k, policy="fixed").build(eng) if k else None
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    want = [_solo(eng, i, params, spec)[0] for i in ids]
+    eng.reset()
+    sched = Scheduler(eng, spec, n_slots=3, start=False)
+    reqs = [sched.submit(i, params) for i in ids]
+    got = [[] for _ in reqs]
+
+    def drain():
+        for g, r in zip(got, reqs):
+            while not r.queue.empty():
+                x = r.queue.get()
+                if getattr(x, "token", None) is not None:
+                    g.append(x.token)
+    for _ in range(50):  # until every prompt is evaluated and has its first token
+        sched.step()
+        drain()
+        if all(got):
+            break
+    calls, logits = [], eng.model.logits
+    eng.model.logits = lambda h: (calls.append(h.shape[0]), logits(h))[1]
+    try:
+        sched.step()
+    finally:
+        del eng.model.logits
+    assert calls == [3 * (k + 1)]  # every sequence verified its k drafts (fixed policy) in one pass
+    for _ in range(50):
+        drain()
+        if all(len(g) >= 9 for g in got):
+            break
+        sched.step()
+    assert got == want
+
+
 @pytest.mark.parametrize("method,k,policy", [(None, 0, None), ("mtp", 3, "fixed"), ("mtp", 3, "cost"),
                                              ("ngram", 2, None)])
 def test_batched_greedy_equals_solo(eng, method, k, policy):

@@ -176,6 +176,17 @@ class Transformer(nn.Module):
         return out
 
 
+def step_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits of decoding and verification rows [R, D] -> [R, V], any number of rows (several
+    sequences' rows of one batched step): one pass of the output matrix for all of them, in slices
+    of fewer than GEMM_MIN_ROWS rows, where each row gets exactly the bits one-row decoding gives it
+    (a larger slice may take a prompt-chunk kernel that sums in another order)."""
+    n = GEMM_MIN_ROWS - 1
+    if hidden.shape[0] <= n:
+        return model.logits(hidden)
+    return torch.cat([model.logits(hidden[i:i + n]) for i in range(0, hidden.shape[0], n)])
+
+
 def _norm(g: GGUFFile, name: str, eps: float) -> RMSNorm:
     return RMSNorm(g.load(name), eps)
 

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import MtpllmError
 from .sampling import SamplingParams
+from ..models.base import step_logits
 from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, common_prefix
 
 
@@ -238,13 +239,18 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     self._fail(idx, e)
                     hidden.append(None)
+        # the logits of every sequence's rows in one pass of the output matrix (per sequence, that
+        # matrix would be read once per sequence: at a few sequences, a large part of the step)
+        done = [h for h in hidden if h is not None]
+        logits = step_logits(self.engine.model, torch.cat(done)).split([h.shape[0] for h in done]) if done else []
+        logits = iter(logits)
         ms = (time.perf_counter() - t0) * 1e3
         self.steps += 1
         for (idx, a, _), h in zip(plans, hidden):
             if h is None:
                 continue
             try:
-                block = a.seq.decoder.commit(self.engine, a.seq, h, ms)
+                block = a.seq.decoder.commit(self.engine, a.seq, h, ms, logits=next(logits))
             except Exception as e:  # noqa: BLE001
                 self._fail(idx, e)
                 continue

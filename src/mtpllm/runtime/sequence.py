@@ -185,9 +185,11 @@ class PlainDecoder:
             return None
         return [seq.x0]
 
-    def commit(self, engine, seq: Sequence, hidden: torch.Tensor, forward_ms: float = 0.0) -> Block:
+    def commit(self, engine, seq: Sequence, hidden: torch.Tensor, forward_ms: float = 0.0,
+               logits: torch.Tensor | None = None) -> Block:
+        """`logits`: of these rows, when the caller computed them with other sequences' (the scheduler)."""
         seq.slot.tokens.append(seq.x0)
-        logits = engine.model.logits(hidden[-1:])
+        logits = engine.model.logits(hidden[-1:]) if logits is None else logits[-1:]
         tok = seq.sampler.sample(logits[0], seq.history)
         seq.history.append(tok)
         seq.x0 = tok

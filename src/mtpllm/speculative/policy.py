@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.base import step_logits
+
 GAMMA = 0.9  # discount of a position's older observations per new one (~10 of memory)
 PRIOR = 0.6  # acceptance assumed before any verification, weight PRIOR_N observations
 PRIOR_N = 2.0
@@ -142,7 +144,7 @@ class StepCosts:
                 snap = None if by_trim else cache.snapshot()
                 t0 = time.perf_counter()
                 h = model(torch.full((r,), int(seq.x0), dtype=torch.long, device=dev), cache)
-                model.logits(h)
+                step_logits(model, h)  # as the scheduler computes a batched step's logits
                 best[r] = min(best[r], time.perf_counter() - t0)
                 if by_trim:
                     cache.trim(r)

@@ -304,11 +304,14 @@ class SpeculativeDecoder:
         seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
         return [seq.x0] + seq.pending[0]
 
-    def commit(self, engine, seq, hidden: torch.Tensor, forward_ms: float = 0.0) -> Block:
-        """hidden [1 + len(drafts), D]: the target's states of this step's rows (already in its cache)."""
+    def commit(self, engine, seq, hidden: torch.Tensor, forward_ms: float = 0.0,
+               logits: torch.Tensor | None = None) -> Block:
+        """hidden [1 + len(drafts), D]: the target's states of this step's rows (already in its cache);
+        `logits`, theirs when the caller computed them with other sequences' (the scheduler)."""
         t0 = time.perf_counter()
         drafts, qs = seq.pending
-        logits = engine.model.logits(hidden)
+        if logits is None:
+            logits = engine.model.logits(hidden)
         n, y = accept_drafts(logits, drafts, qs, seq.sampler, seq.history)
         seq.slot.cache.trim(len(drafts) - n)  # the one rollback: KV entries and recurrent state alike
         seq.slot.tokens.extend([seq.x0] + drafts[:n])
