@@ -52,9 +52,10 @@ def test_bench_json_report(bench_model, tmp_path, capsys):
             # MTP drafts every step; n-gram lookup drafts only where the text repeats
             n_pos = len(r["per_position_acceptance"])
             assert 0 <= r["acceptance_rate"] <= 1 and (n_pos == r["k"] if r["spec"].startswith("mtp") else n_pos <= r["k"])
-            # steps by drafts verified: a fixed k verifies k drafts on every step
+            # steps by drafts verified: a fixed k verifies k drafts on every step but those whose
+            # drafts are cut to the tokens max_tokens still allows
             h = r["draft_length_histogram"]
-            assert sum(h) > 0 and (h[1:] == [0] * (r["k"] - 1) + [sum(h)] if r["spec"].startswith("mtp") else True)
+            assert sum(h) > 0 and (len(h) == r["k"] + 1 and h[-1] > 0 if r["spec"].startswith("mtp") else True)
             assert 1 <= r["mean_acceptance_length"] <= 1 + r["k"]
     # with llama.cpp's rows of the same run, every row shows its decode speed over llama.cpp's
     from mtpllm.bench.report import to_markdown
