@@ -125,9 +125,9 @@ class _Hooked(PlainDecoder):
     def __init__(self, hook):
         self.hook = hook
 
-    def commit(self, engine, seq, hidden, forward_ms=0.0):
+    def commit(self, engine, seq, hidden, forward_ms=0.0, logits=None):
         self.hook(seq)
-        return super().commit(engine, seq, hidden, forward_ms)
+        return super().commit(engine, seq, hidden, forward_ms, logits)
 
 
 def _hook_steps(monkeypatch, engine, hook) -> None:
@@ -259,8 +259,11 @@ def test_a_full_queue_is_429_with_retry_after(engine, monkeypatch):
     out = {}
     t = threading.Thread(target=lambda: out.update(r=c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})))
     t.start()
-    while server.busy == 0:
+    for _ in range(3000):  # at most 30 s: a first request that never starts fails the test, not hangs it
+        if server.busy:
+            break
         gate.wait(0.01)
+    assert server.busy == 1
     r = c.post("/v1/completions", json={"prompt": "the cat", **GREEDY})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert "busy" in r.json()["error"]["message"]
