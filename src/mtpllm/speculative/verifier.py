@@ -287,20 +287,21 @@ class SpeculativeDecoder:
         left = seq.params.max_tokens - (len(seq.history) - len(seq.prompt))
         k, keep = max(0, min(seq.k, room, left - 1)), None
         costs = getattr(seq, "costs", None)
-        if cfg.policy == "cost" and costs is not None:
+        priced = cfg.policy == "cost" and costs is not None
+        chain = priced and isinstance(seq.policy, ChainPolicyState)  # each member priced on its own record
+        if priced:
             if batch > 1 and engine is not None:
                 costs = step_costs(engine).batch_costs(engine, seq, batch, len(costs.rows), costs)
-            if isinstance(seq.policy, ChainPolicyState):  # each member priced on its own record
-                t0 = time.perf_counter()
-                seq.pending = self.proposer.propose_priced(seq.draft, seq.history, k, seq.draft_sampler,
-                                                           cfg.p_min, cfg.p_cum, seq.policy, costs)
-                seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
-                return [seq.x0] + seq.pending[0]
-            k = CostPolicy.limit(seq.policy, costs, k)
-            keep = CostPolicy.keeper(seq.policy, costs)
+            if not chain:
+                k = CostPolicy.limit(seq.policy, costs, k)
+                keep = CostPolicy.keeper(seq.policy, costs)
         t0 = time.perf_counter()
-        seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
-                                            cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
+        if chain:
+            seq.pending = self.proposer.propose_priced(seq.draft, seq.history, k, seq.draft_sampler,
+                                                       cfg.p_min, cfg.p_cum, seq.policy, costs)
+        else:
+            seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
+                                                cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
         seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
         return [seq.x0] + seq.pending[0]
 
