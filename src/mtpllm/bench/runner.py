@@ -239,8 +239,7 @@ class RowRun:
             # target steps by the number of drafts they verified (0: plain steps the policy chose)
             "draft_length_histogram": list(total.k_hist) if spec_on else [],
             # a chain: per member, the steps it drafted and its drafts accepted
-            "members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v)) for k, v in total.members.items()}
-            if spec_on else {},
+            "members": total.members_dict() if spec_on else {},
             "peak_rss_mib": self.peak_mib,
         }
 

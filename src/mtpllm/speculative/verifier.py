@@ -117,8 +117,11 @@ class SpecStats:
                 "per_position_acceptance": self.per_position_acceptance,
                 "drafted_per_pos": list(self.drafted_per_pos), "accepted_per_pos": list(self.accepted_per_pos),
                 "draft_ms": self.draft_ms, "verify_ms": self.verify_ms, "draft_length_histogram": list(self.k_hist),
-                **({"members": {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v))
-                                for k, v in self.members.items()}} if self.members else {})}
+                **({"members": self.members_dict()} if self.members else {})}
+
+    def members_dict(self) -> dict:
+        """A chain's per-member counts by name: {name: {drafts, draft_tokens, accepted_tokens}}."""
+        return {k: dict(zip(("drafts", "draft_tokens", "accepted_tokens"), v)) for k, v in self.members.items()}
 
     def summary(self) -> str:
         pos = " ".join(f"{r:.2f}" for r in self.per_position_acceptance)
