@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="models, comma-separated (registry names or GGUF paths)")
     ap.add_argument("-p", "--n-prompt", type=_int_list, default=[512],
-                    help="prompt tokens (synthetic, long and edit prompt sets, comma-separated (default 512)")
+                    help="prompt tokens (synthetic, long and edit prompt sets), comma-separated (default 512)")
     ap.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="tokens to generate (default 128)")
     ap.add_argument("-d", "--depth", type=_int_list, default=[0], help="tokens already in context (default 0)")
     ap.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per row, run in rounds over all rows (default 5)")
