@@ -6,6 +6,7 @@ import pytest
 
 from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
+from mtpllm.speculative import policy
 from mtpllm.speculative import SpecConfig
 from mtpllm.speculative.policy import (PROBE_MAX, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
@@ -279,6 +280,7 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
     set_step_costs(engine, None)
     calls = []
     _cliff_timer(monkeypatch, calls)
+    monkeypatch.setattr(policy, "OBSERVE_WEIGHT", 0.0)  # the timed table alone (the real steps are a tiny model's)
     params = SamplingParams(**dict(GREEDY, max_tokens=40))
     ids = engine.tokenizer.encode(PROMPT)
     spec = cfg.build(engine)
@@ -321,6 +323,117 @@ def test_batch_costs_arithmetic():
     assert c.rows == [1.0, 1.5, 4.0] and c.step_ms == 2.0
     assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
     assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
+
+
+def test_observed_steps_move_the_batch_table():
+    """A step's observed time moves the two table points around its row count, each by its share,
+    so repeated steps of one cost bring the line through that cost; the points away from it stay."""
+    t = StepCosts()
+    t.batch[(0, 2)] = [2e-3, 3e-3, 8e-3]
+    for _ in range(200):  # 4 rows = 2 x 2: the second point itself
+        t.observe_step([10, 20], 4, 5e-3)
+    assert t.batch[(0, 2)] == pytest.approx([2e-3, 5e-3, 8e-3])
+    for _ in range(400):  # 5 rows: halfway between the points at 4 and 6 rows
+        t.observe_step([10, 20], 5, 10e-3)
+    tab = t.batch[(0, 2)]
+    assert (tab[1] + tab[2]) / 2 == pytest.approx(10e-3) and tab[0] == 2e-3
+    assert t.observed == 600
+    # every band the sequences are in learns from the step; other batch sizes and bands do not
+    t.batch[(1, 2)] = [4e-3, 6e-3]
+    t.batch[(0, 3)] = [4e-3, 6e-3]
+    t.observe_step([10, 600], 2, 3e-3)
+    assert t.batch[(0, 2)][0] > 2e-3 and t.batch[(1, 2)][0] < 4e-3 and t.batch[(0, 3)] == [4e-3, 6e-3]
+    before = {k: list(v) for k, v in t.batch.items()}
+    t.observe_step([10], 1, 1.0)  # one sequence: its own table, not a batch's
+    t.observe_step([10, 20], 7, 1.0)  # past the table's last point: nothing to move
+    assert t.batch == before
+    fixed = StepCosts(Costs([1.0, 1.2], 0.1))
+    fixed.observe_step([1, 2], 2, 1.0)
+    fixed.observe_draft("k", 1, 100.0, 1)
+    assert fixed.get(1, 2, "k").draft == 0.1  # given costs stay as given
+
+
+def test_observed_drafting_is_what_drafts_cost():
+    """The one timed token starts the running cost per drafted token; steps' drafting moves it."""
+    t = StepCosts()
+    t.rows[0] = ([1.0, 1.1, 1.2], 10.0)
+    t.draft_ms[("k", 0)] = 0.5
+    assert t.get(100, 3, "k").draft == pytest.approx(0.05)
+    t.observe_draft("k", 100, 20.0, 2)  # 10 ms per token as decoding drafted them
+    assert t.get(100, 3, "k").draft == pytest.approx((0.5 + 0.1 * (10.0 - 0.5)) / 10.0)
+    for _ in range(200):
+        t.observe_draft("k", 100, 20.0, 2)
+    assert t.get(100, 3, "k").draft == pytest.approx(1.0)
+    t.observe_draft("k", 100, 20.0, 0)  # nothing drafted: nothing to divide by
+    assert t.get(100, 3, "k").draft == pytest.approx(1.0) and t.get(100, 3, "other").draft == policy.DEFAULT_DRAFT  # untimed
+
+
+def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatch):
+    """A proposer whose one timed token is cheap but whose drafting, as requests run it, costs
+    several steps (here: a sleep in each `propose`, as a slow head's catch-up would): the policy
+    learns it from the steps and stops drafting. Priced on the timed token alone, the same good
+    drafts are verified four at a time (test_good_drafts_keep_k_high_on_a_model)."""
+    import time
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    params = dict(GREEDY, max_tokens=60)
+    ref = _plain(engine, params)
+    spec = cfg.build(engine)
+    prop = spec.proposer
+    monkeypatch.setattr(type(prop), "probe_ms", lambda self, st, hidden, x0: 0.01)
+    real = type(prop).propose
+
+    def slow(self, *a, **kw):
+        time.sleep(0.05)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(type(prop), "propose", slow)
+    try:
+        out = engine.generate(PROMPT, SamplingParams(**params), chat=False, speculative=spec)
+    finally:
+        set_step_costs(engine, None)
+    assert out.tokens == ref.tokens
+    h = out.stats.k_hist
+    assert h[0] >= 0.6 * sum(h), h
+
+
+def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypatch):
+    """Rows timed nearly free, but the batch's real steps cost 10 ms per extra row (here: a sleep
+    in the batched forward, as a CPU that is compute-bound at those rows would): the steps'
+    observed times correct the table and the sequences that share a step stop drafting."""
+    import time
+
+    from mtpllm.runtime.scheduler import Scheduler
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    real_t = StepCosts._time_rows
+
+    def cheap(engine_, seq, counts, reps):
+        _, hidden = real_t(engine_, seq, counts, 1)
+        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(cheap))
+    spec = cfg.build(engine)
+    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.01)
+    real_fb = engine.model.forward_batch
+
+    def slow(tokens, caches):
+        time.sleep(0.002 + 0.01 * (sum(t.shape[0] for t in tokens) - len(tokens)))
+        return real_fb(tokens, caches)
+    monkeypatch.setattr(engine.model, "forward_batch", slow)
+    params = SamplingParams(**dict(GREEDY, max_tokens=40))
+    ids = engine.tokenizer.encode(PROMPT)
+    ref = _plain(engine, dict(GREEDY, max_tokens=40))
+    engine.reset()
+    sched = Scheduler(engine, spec, n_slots=3)
+    try:
+        outs = [list(r) for r in [sched.submit(ids, params) for _ in range(3)]]
+        assert step_costs(engine).observed > 0
+    finally:
+        sched.shutdown(1)
+        set_step_costs(engine, None)
+    for rs in outs:
+        assert [x.token for x in rs if x.token is not None] == ref.tokens
+        h = rs[-1].stats.k_hist
+        assert h[0] >= 0.6 * sum(h), h
 
 
 def test_given_costs_are_never_timed():

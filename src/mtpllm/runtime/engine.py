@@ -212,7 +212,7 @@ class Engine:
         dec = seq.decoder
         yield dec.start(self, seq)
         while True:
-            rows = dec.plan(seq)
+            rows = dec.plan(seq, self)
             if rows is None:
                 return  # the context is full
             t0 = time.perf_counter()

@@ -35,6 +35,7 @@ import torch
 from ..errors import MtpllmError
 from .sampling import SamplingParams
 from ..models.base import step_logits
+from ..speculative.policy import step_costs
 from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, common_prefix
 
 
@@ -212,6 +213,9 @@ class Scheduler:
             self._admit(req, slot)
         self._prefill()
         live = [(i, a) for i, a in self.running.items() if a is not None and a.prefill is None]
+        t_plan = time.perf_counter()
+        table = step_costs(self.engine)
+        timings = table.timings
         plans = []
         for idx, a in live:
             try:
@@ -246,6 +250,8 @@ class Scheduler:
         logits = iter(logits)
         ms = (time.perf_counter() - t0) * 1e3
         self.steps += 1
+        depths = [a.seq.slot.cache.length for _, a, _ in plans]
+        ok = len(done) == len(plans)
         for (idx, a, _), h in zip(plans, hidden):
             if h is None:
                 continue
@@ -253,8 +259,12 @@ class Scheduler:
                 block = a.seq.decoder.commit(self.engine, a.seq, h, ms, logits=next(logits))
             except Exception as e:  # noqa: BLE001
                 self._fail(idx, e)
+                ok = False
                 continue
             self._emit(idx, a, block)
+        if ok and table.timings == timings:  # a step without a cost measurement in it: what it cost
+            drafting = sum(a.seq.step_draft_ms for _, a, _ in plans) / 1e3
+            table.observe_step(depths, sum(len(r) for _, _, r in plans), time.perf_counter() - t_plan - drafting)
 
     def _admit(self, req: Request, slot) -> None:
         """A request takes its slot: its sequence, and its prefill ready to run chunk by chunk."""

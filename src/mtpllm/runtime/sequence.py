@@ -145,6 +145,10 @@ class Sequence:
         self.stats = decoder.new_stats()
         self.k = getattr(getattr(decoder, "cfg", None), "num_speculative_tokens", 0)  # current draft length
         self.pending: tuple[list[int], list] = ([], [])  # this step's drafts and their distributions
+        self.costs = None  # the cost policy's `Costs` at this sequence's depth (speculative/policy.py)
+        self.policy = None  # the cost policy's record of this sequence's acceptance
+        self.step_draft_ms = 0.0  # drafting time of the step being planned
+        self.draft_carry_ms = 0.0  # drafting time not yet priced (steps whose drafts were all refused)
         self.draft_sampler = None
         if getattr(decoder, "speculative", False):
             self.draft_sampler = Sampler(params, device)

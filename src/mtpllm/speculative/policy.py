@@ -11,8 +11,11 @@ The three inputs:
 - costs: the target's forward (with its logits) timed on this machine at 1..K+1 rows, at the
   sequence's own depth (attention grows with the cache, so the table is re-measured each time the
   depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
-  is measured once per model and depth band and cached, so two requests that see the same tokens
-  make the same choices.
+  is measured once per model and depth band and cached. Decoding then corrects both with what its
+  steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (the head's
+  catch-up over the accepted tokens and its Python included, which one timed token leaves out), and,
+  for steps several sequences share, the whole step's wall time (its bookkeeping included) at the
+  row counts it ran. Where a batch's drafting or rows cost more than timed, the policy drafts less.
 - the head's confidence: the probability it gives each draft. Before a draft is kept, its
   expected acceptance is that probability times this request's calibration at its position
   (accepted / sum of confidences so far; heads are over-confident at long contexts they were not
@@ -51,6 +54,7 @@ PROBE_MIN, PROBE_MAX = 4, 64  # plain steps between single-draft probes while dr
 DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyond gets its own
 DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
 REPS = 3  # timings per row count (the fastest is kept)
+OBSERVE_WEIGHT = 0.1  # weight of one observed step in the running estimates (~10 steps of memory)
 
 
 def depth_band(depth: int) -> int:
@@ -106,8 +110,10 @@ class StepCosts:
         self.fixed = fixed
         self.rows: dict[int, tuple[list[float], float]] = {}  # band -> (row costs, one-row ms)
         self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
+        self.draft_seen: dict[tuple, float] = {}  # the same, as decoding observes it (running mean)
         self.batch: dict[tuple, list[float]] = {}  # (band, sequences) -> seconds at n, 2n, ... rows
         self.timings = 0  # measurements run (observability, tests)
+        self.observed = 0  # steps observed into the batch tables (observability, tests)
 
     def get(self, depth: int, n_rows: int, key) -> Costs | None:
         if self.fixed is not None:
@@ -118,8 +124,46 @@ class StepCosts:
             return None
         b = max(measured)
         rows, ms = self.rows[b]
-        d_ms = self.draft_ms.get((key, b))
+        d_ms = self.draft_seen.get((key, b), self.draft_ms.get((key, b)))
         return Costs(rows[:n_rows], DEFAULT_DRAFT if d_ms is None else d_ms / ms, ms)
+
+    def observe_draft(self, key, depth: int, ms: float, n_drafted: int) -> None:
+        """A step's drafting as it ran: `ms` for `n_drafted` tokens, everything the proposer did for
+        them (a head's catch-up over the tokens accepted since it last drafted included). Blended
+        into the running cost per drafted token at this depth band, which `get` uses from then on
+        (the one timed token, `proposer.probe_ms`, is where it starts)."""
+        if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
+            return
+        k = (key, depth_band(depth))
+        per = ms / n_drafted
+        old = self.draft_seen.get(k, self.draft_ms.get(k))
+        self.draft_seen[k] = per if old is None else old + OBSERVE_WEIGHT * (per - old)
+
+    def observe_step(self, depths: list[int], n_rows: int, seconds: float) -> None:
+        """A step that `len(depths)` sequences shared (their cache depths), `n_rows` rows in all,
+        took `seconds` (its forward, logits and bookkeeping; drafting not included). The batch table
+        of each of their depth bands is piecewise linear in the rows between its points n, 2n, ...:
+        the step's error against that line moves the two points around `n_rows` (each by its share),
+        so the table follows what steps of this batch really cost on this machine now."""
+        n = len(depths)
+        if self.fixed is not None or n <= 1 or not seconds > 0 or OBSERVE_WEIGHT <= 0:
+            return
+        for band in {depth_band(d) for d in depths}:
+            tab = self.batch.get((band, n))
+            if not tab:
+                continue
+            r0, j = divmod(n_rows, n)  # n_rows = n r0 + j: between the points r0 - 1 and r0 (0-based)
+            i0, w = r0 - 1, j / n
+            if i0 < 0 or i0 >= len(tab) or (w > 0 and i0 + 1 >= len(tab)) or not math.isfinite(tab[i0]):
+                continue
+            pred = tab[i0] if w == 0 else (1 - w) * tab[i0] + w * tab[i0 + 1]
+            if not math.isfinite(pred):
+                continue
+            err = OBSERVE_WEIGHT * (seconds - pred)
+            tab[i0] = max(tab[i0] + (1 - w) * err, 1e-9)
+            if w > 0:
+                tab[i0 + 1] = max(tab[i0 + 1] + w * err, 1e-9)
+            self.observed += 1
 
     def needs(self, depth: int, n_rows: int, key) -> bool:
         if self.fixed is not None:

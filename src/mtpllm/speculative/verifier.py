@@ -289,12 +289,15 @@ class SpeculativeDecoder:
         # a step emits at most k + 1 tokens: drafts past the tokens still allowed are never used
         left = seq.params.max_tokens - (len(seq.history) - len(seq.prompt))
         k, keep = max(0, min(seq.k, room, left - 1)), None
-        costs = getattr(seq, "costs", None)
+        costs = seq.costs
         priced = cfg.policy == "cost" and costs is not None
         chain = priced and isinstance(seq.policy, ChainPolicyState)  # each member priced on its own record
+        if priced and engine is not None:
+            table = step_costs(engine)
+            costs = table.get(cache.length, len(costs.rows), self._cost_key()) or costs  # with what steps showed
+            if batch > 1:
+                costs = table.batch_costs(engine, seq, batch, len(costs.rows), costs)
         if priced:
-            if batch > 1 and engine is not None:
-                costs = step_costs(engine).batch_costs(engine, seq, batch, len(costs.rows), costs)
             if not chain:
                 k = CostPolicy.limit(seq.policy, costs, k)
                 keep = CostPolicy.keeper(seq.policy, costs)
@@ -305,8 +308,28 @@ class SpeculativeDecoder:
         else:
             seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
                                                 cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
-        seq.stats.draft_ms += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        seq.stats.draft_ms += ms
+        seq.step_draft_ms = ms
+        if priced and engine is not None:
+            self._observe_draft(engine, seq, ms)
         return [seq.x0] + seq.pending[0]
+
+    def _observe_draft(self, engine, seq, ms: float) -> None:
+        """This step's drafting time into the cost table, when a timed proposer drafted (n-gram
+        lookup is free and priced so). Time it spent without keeping a draft (its catch-up was done
+        all the same) is carried to its next draft."""
+        n = len(seq.pending[0])
+        prop = self.proposer
+        if isinstance(seq.policy, ChainPolicyState):
+            i = seq.policy.active
+            prop = None if i is None else prop.proposers[i]
+        if n and prop is not None and not hasattr(prop, "probe_ms"):
+            return
+        seq.draft_carry_ms += ms
+        if n:
+            step_costs(engine).observe_draft(self._cost_key(), seq.slot.cache.length, seq.draft_carry_ms, n)
+            seq.draft_carry_ms = 0.0
 
     def commit(self, engine, seq, hidden: torch.Tensor, forward_ms: float = 0.0,
                logits: torch.Tensor | None = None) -> Block:
@@ -328,7 +351,7 @@ class SpeculativeDecoder:
         stats.draft_ms += (time.perf_counter() - t1) * 1e3
         stats.verify_ms += forward_ms + (t1 - t0) * 1e3
         cfg = self.cfg
-        if cfg.policy == "cost" and getattr(seq, "costs", None) is not None:
+        if cfg.policy == "cost" and seq.costs is not None:
             seq.policy.observe(seq.policy.confs[:len(drafts)], n)
         if cfg.policy == "adaptive" and drafts:
             if n == len(drafts) == seq.k:
