@@ -64,6 +64,57 @@ def test_forward_batch_rows_equal_rows_alone(eng):
     assert [c.length for c in caches] == [len(t) - 3 + len(r) for t, r in zip(ids, rows)]
 
 
+@pytest.fixture(scope="module")
+def eng_q(tiny_dir):
+    """A tiny model whose output matrix is quantized too: its MTP head runs on the compressed kernels
+    (with a float output matrix the head is built in float32, outside the C++ decode path)."""
+    from gguf import GGMLQuantizationType as QT
+    return Engine.load(str(make_tiny(tiny_dir / "sched-q8.gguf", "qwen2", seed=5, nextn=1, out_type=QT.Q8_0)),
+                       n_ctx=192)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafting_together_equals_drafting_alone(eng_q, temperature):
+    """The MTP head drafts for several sequences in one pass per draft position (its block's weights
+    read once for all of them, never its one-sequence forward) and each sequence gets the drafts,
+    draft distributions and head cache it gets drafting alone, bit for bit, greedy and sampled."""
+    from mtpllm.runtime.sampling import Sampler
+    eng = eng_q
+    prop = SpecConfig("mtp", num_speculative_tokens=3, policy="fixed").build(eng).proposer
+    m = eng.model
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
+    ks = [3, 2, 3]
+    params = SamplingParams(temperature=temperature, seed=7)
+
+    @torch.inference_mode()
+    def ready(t):
+        hidden = m(torch.tensor(t), m.make_cache(64))
+        st = prop.new_state()
+        prop.begin(st, t, hidden, 0)
+        return st
+
+    alone, together = [ready(t) for t in ids], [ready(t) for t in ids]
+    hists = [t + [t[0]] for t in ids]
+    smp = [Sampler(params) for _ in ids]
+    want = [prop.propose(st, h, k, s) for st, h, k, s in zip(alone, hists, ks, smp)]
+    calls = []
+    solo_forward = type(prop.head).forward
+    prop.head.forward = lambda *a: (calls.append(1), solo_forward(prop.head, *a))[1]
+    try:
+        smp = [Sampler(params) for _ in ids]
+        got = prop.propose_batch(together, hists, ks, smp)
+    finally:
+        del prop.head.forward
+    assert calls == []  # every head pass ran over all sequences at once
+    assert [d for d, _ in got] == [d for d, _ in want] and all(len(d) == k for (d, _), k in zip(want, ks))
+    for (_, qa), (_, qb) in zip(want, got):
+        assert len(qa) == len(qb) and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(qa, qb))
+    for a, b in zip(alone, together):
+        n = a.cache.length
+        assert b.cache.length == n and a.tokens == b.tokens
+        assert torch.equal(a.cache.k[:, :, :n], b.cache.k[:, :, :n]) and torch.equal(a.cache.v[:, :, :n], b.cache.v[:, :, :n])
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_a_step_reads_the_output_matrix_once(eng, k):
     """The logits of all sequences' rows in a step come from one pass of the output matrix (per
@@ -130,7 +181,11 @@ def test_batched_greedy_equals_solo(eng, method, k, policy):
     assert sched.steps < sum(len(w[0]) for w in want)  # steps were shared
 
 
-def test_batched_sampling_with_seed_equals_solo(eng):
+@pytest.mark.parametrize("model", ["eng", "eng_q"])
+def test_batched_sampling_with_seed_equals_solo(request, model):
+    """Sampled with seeds, each sequence of a batch gets its solo tokens, the MTP head's drafting
+    included (eng_q: drafted for all sequences in one pass per position on the compressed kernels)."""
+    eng = request.getfixturevalue(model)
     spec = SpecConfig("mtp", num_speculative_tokens=2, policy="fixed").build(eng)
     ids = [eng.tokenizer.encode(p) for p in PROMPTS[:4]]
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11 + i, max_tokens=16, ignore_eos=True)

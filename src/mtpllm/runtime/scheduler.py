@@ -217,11 +217,23 @@ class Scheduler:
         table = step_costs(self.engine)
         timings = table.timings
         plans = []
+        groups: dict[int, list] = {}  # the sequences of one decoder plan together (one drafting pass)
         for idx, a in live:
-            try:
-                rows = a.seq.decoder.plan(a.seq, self.engine, len(live))
-            except Exception as e:  # noqa: BLE001 - one request's failure fails that request only
-                self._fail(idx, e)
+            groups.setdefault(id(a.seq.decoder), []).append((idx, a))
+        planned = []
+        for members in groups.values():
+            dec = members[0][1].seq.decoder
+            if hasattr(dec, "plan_batch"):
+                planned += zip(members, dec.plan_batch([a.seq for _, a in members], self.engine, len(live)))
+                continue
+            for idx, a in members:
+                try:
+                    planned.append(((idx, a), dec.plan(a.seq, self.engine, len(live))))
+                except Exception as e:  # noqa: BLE001
+                    planned.append(((idx, a), e))
+        for (idx, a), rows in planned:
+            if isinstance(rows, BaseException):  # one request's failure fails that request only
+                self._fail(idx, rows)
                 continue
             if rows is None:  # its context is full
                 a.out.finish = "context"

@@ -20,7 +20,7 @@ from ..models.mtp import MTPHead
 from ..runtime.linear import make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
 from ..runtime.engine import PREFILL_CHUNK
-from .verifier import common_prefix, draft_chain, draft_token
+from .verifier import common_prefix, draft_chain_steps, draft_token
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
@@ -295,12 +295,15 @@ class MTPProposer:
         st.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
         st.pending_start = start + n
 
-    @torch.inference_mode()
-    def propose(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0,
-                keep=None):
-        """Up to k drafts and their distributions. The cut-offs drop the first draft whose top
-        probability (or the product of them) is too low, and `keep(i, probability)`, when given,
-        the first draft it refuses, with everything after it."""
+    # requests a drafting generator (`_drafting`) yields for the head's weights
+    HEAD, LOGITS = "head", "logits"
+
+    def _drafting(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0,
+                  p_cum: float = 0.0, keep=None):
+        """One sequence's drafting as a generator: it yields (HEAD, token ids, hidden [T, D]) for the
+        head's block over T new positions of `st.cache` and (LOGITS, g [1, D]) for the draft logits
+        of an output state, is sent their results, and returns (drafts, their q). The driver serves
+        one sequence (`propose`) or several at once (`propose_batch`)."""
         p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
         cache = st.cache
         c = cache.length
@@ -309,15 +312,14 @@ class MTPProposer:
         if k <= 0 or st.pending_h is None:
             return [], []
         # catch-up: true entries for positions c..p0-1 with (t_{i+1}, h_i)
-        toks = torch.tensor(history[c + 1:p0 + 1], dtype=torch.long, device=self.device)
-        g = self.head(self.embed(toks), st.pending_h, cache)
+        g = yield (self.HEAD, history[c + 1:p0 + 1], st.pending_h)
         st.tokens = list(history[1:p0 + 1])
         st.pending_h = None
         self.update_context(st, history)
         g_last = g[-1:]
 
         def next_draft(hist, cut):
-            logits = self.lm_head(g_last)[0]
+            logits = (yield (self.LOGITS, g_last))[0]
             if st.ctx_head is not None:
                 logits = torch.cat([logits, st.ctx_head(g_last)[0]])
             if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
@@ -335,11 +337,60 @@ class MTPProposer:
 
         def advance(d):
             nonlocal g_last
-            g_last = self.head(self.embed(torch.tensor([d], device=self.device)), g_last, cache)
+            g_last = yield (self.HEAD, [d], g_last)
 
-        drafts, qs = draft_chain(k, next_draft, advance, history, p_min, p_cum, keep)
+        drafts, qs = yield from draft_chain_steps(k, next_draft, advance, history, p_min, p_cum, keep)
         cache.trim(cache.length - p0)  # drop speculative recursion entries
         return drafts, qs
+
+    @torch.inference_mode()
+    def propose(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None):
+        """Up to k drafts and their distributions. The cut-offs drop the first draft whose top
+        probability (or the product of them) is too low, and `keep(i, probability)`, when given,
+        the first draft it refuses, with everything after it."""
+        return self.propose_batch([st], [history], [k], [sampler], p_min, p_cum, [keep])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, sts: list, histories: list, ks: list[int], samplers: list, p_min: float = 0.0,
+                      p_cum: float = 0.0, keeps: list | None = None) -> list:
+        """`propose` for several sequences at once, each on its own state, history, draft length,
+        sampler and keep rule: at each draft position the head's block runs once over every
+        sequence still drafting (`MTPHead.forward_batch`: its weights read once, attention in each
+        sequence's own cache) and the draft logits of all of them come from one pass of the output
+        rows, in slices that keep each row's one-row bits. So each sequence's drafts are exactly
+        those it drafts alone. -> [(drafts, qs)] per sequence."""
+        from ..models.base import GEMM_MIN_ROWS
+        keeps = keeps or [None] * len(sts)
+        gens = [self._drafting(st, h, k, smp, p_min, p_cum, kp)
+                for st, h, k, smp, kp in zip(sts, histories, ks, samplers, keeps)]
+        out: list = [None] * len(gens)
+        todo = {}
+        for i, g in enumerate(gens):
+            try:
+                todo[i] = next(g)
+            except StopIteration as stop:
+                out[i] = stop.value
+        while todo:
+            results = {}
+            heads = [i for i, r in todo.items() if r[0] == self.HEAD]
+            if heads:
+                embs = [self.embed(torch.tensor(todo[i][1], dtype=torch.long, device=self.device)) for i in heads]
+                gs = self.head.forward_batch(embs, [todo[i][2] for i in heads], [sts[i].cache for i in heads])
+                results.update(zip(heads, gs))
+            outs = [i for i, r in todo.items() if r[0] == self.LOGITS]
+            if outs:
+                g = torch.cat([todo[i][1] for i in outs])
+                n = GEMM_MIN_ROWS - 1
+                logits = torch.cat([self.lm_head(g[a:a + n]) for a in range(0, g.shape[0], n)])
+                results.update((i, logits[j:j + 1]) for j, i in enumerate(outs))
+            for i, res in results.items():
+                try:
+                    todo[i] = gens[i].send(res)
+                except StopIteration as stop:
+                    out[i] = stop.value
+                    del todo[i]
+        return out
 
     @torch.inference_mode()
     def probe_ms(self, st: MTPState, hidden: torch.Tensor, token: int) -> float | None:

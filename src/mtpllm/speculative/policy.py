@@ -115,7 +115,9 @@ class StepCosts:
         self.timings = 0  # measurements run (observability, tests)
         self.observed = 0  # steps observed into the batch tables (observability, tests)
 
-    def get(self, depth: int, n_rows: int, key) -> Costs | None:
+    def get(self, depth: int, n_rows: int, key, batch: int = 1) -> Costs | None:
+        """The costs at this depth (the deepest band measured at or below it); drafting as steps of
+        `batch` sequences observed it, else as timed."""
         if self.fixed is not None:
             return self.fixed
         band = depth_band(depth)
@@ -124,20 +126,21 @@ class StepCosts:
             return None
         b = max(measured)
         rows, ms = self.rows[b]
-        d_ms = self.draft_seen.get((key, b), self.draft_ms.get((key, b)))
+        d_ms = self.draft_seen.get((key, b, batch), self.draft_ms.get((key, b)))
         return Costs(rows[:n_rows], DEFAULT_DRAFT if d_ms is None else d_ms / ms, ms)
 
-    def observe_draft(self, key, depth: int, ms: float, n_drafted: int) -> None:
+    def observe_draft(self, key, depth: int, ms: float, n_drafted: int, batch: int = 1) -> None:
         """A step's drafting as it ran: `ms` for `n_drafted` tokens, everything the proposer did for
-        them (a head's catch-up over the tokens accepted since it last drafted included). Blended
-        into the running cost per drafted token at this depth band, which `get` uses from then on
+        them (a head's catch-up over the tokens accepted since it last drafted included; in a step
+        of `batch` sequences drafted together, this sequence's share). Blended into the running
+        cost per drafted token at this depth band and batch size, which `get` uses from then on
         (the one timed token, `proposer.probe_ms`, is where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
             return
-        k = (key, depth_band(depth))
+        band = depth_band(depth)
         per = ms / n_drafted
-        old = self.draft_seen.get(k, self.draft_ms.get(k))
-        self.draft_seen[k] = per if old is None else old + OBSERVE_WEIGHT * (per - old)
+        old = self.draft_seen.get((key, band, batch), self.draft_ms.get((key, band)))
+        self.draft_seen[(key, band, batch)] = per if old is None else old + OBSERVE_WEIGHT * (per - old)
 
     def observe_step(self, depths: list[int], n_rows: int, seconds: float) -> None:
         """A step that `len(depths)` sequences shared (their cache depths), `n_rows` rows in all,

@@ -158,19 +158,23 @@ def stop_drafting(top: float, cum: float, p_min: float, p_cum: float) -> bool:
     return top < p_min or cum < p_cum
 
 
-def draft_chain(k: int, next_draft, advance, history: list[int], p_min: float = 0.0, p_cum: float = 0.0,
-                keep=None) -> tuple[list[int], list]:
+def draft_chain_steps(k: int, next_draft, advance, history: list[int], p_min: float = 0.0, p_cum: float = 0.0,
+                      keep=None):
     """Up to k drafts, each from the proposer's state after the previous one: `next_draft(hist, cut)`
     -> (token, q, top probability) as `draft_token` gives them (hist: the history with the drafts so
     far; cut: what the top probability is needed for, see `draft_token`), `advance(token)` moves the
     proposer past a kept draft (not after the k-th). Stops before the first draft a cut-off
-    (`stop_drafting`) or `keep(i, top)` refuses. -> (drafts, their q)."""
+    (`stop_drafting`) or `keep(i, top)` refuses. Returns (drafts, their q).
+
+    A generator: `next_draft` and `advance` are generators too, and whatever they yield (requests
+    for the proposer's weights, see `MTPProposer.propose_batch`) passes through, so one driver can
+    serve several sequences' requests together. `draft_chain` runs it with plain functions."""
     cut = 1.0 if keep is not None else max(p_min, p_cum)  # top probabilities only for a cut-off or `keep`
     drafts, qs = [], []
     hist = list(history)
     cum = 1.0
     for i in range(k):
-        d, q, top = next_draft(hist, cut)
+        d, q, top = yield from next_draft(hist, cut)
         cum *= top
         if stop_drafting(top, cum, p_min, p_cum) or (keep is not None and not keep(i, top)):
             break
@@ -178,8 +182,23 @@ def draft_chain(k: int, next_draft, advance, history: list[int], p_min: float = 
         qs.append(q)
         hist.append(d)
         if i + 1 < k:
-            advance(d)
+            yield from advance(d)
     return drafts, qs
+
+
+def draft_chain(k: int, next_draft, advance, history: list[int], p_min: float = 0.0, p_cum: float = 0.0,
+                keep=None) -> tuple[list[int], list]:
+    """`draft_chain_steps` with plain functions `next_draft(hist, cut)` and `advance(token)`."""
+    def nd(hist, cut):
+        return next_draft(hist, cut)
+        yield  # noqa: unreachable - makes this a generator that yields nothing
+
+    def adv(d):
+        advance(d)
+        return
+        yield  # noqa
+
+    return run_steps(draft_chain_steps(k, nd, adv, history, p_min, p_cum, keep))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -281,6 +300,73 @@ class SpeculativeDecoder:
     def plan(self, seq, engine=None, batch: int = 1) -> list[int] | None:
         """This step's rows for `seq`: x0 and its drafts. `batch`: how many sequences share the
         step's forward (the scheduler's; with `engine`, the cost policy prices rows in that batch)."""
+        rows = self.plan_batch([seq], engine, batch)[0]
+        if isinstance(rows, BaseException):
+            raise rows
+        return rows
+
+    def plan_batch(self, seqs: list, engine=None, batch: int | None = None) -> list:
+        """`plan` for sequences that share one step (`batch`: all the step's sequences, default
+        these): each one's draft length from its own record and costs, then one drafting pass for
+        all of them where the proposer has one (`propose_batch`: the head's weights read once per
+        draft position, each sequence's drafts exactly those it drafts alone). -> per sequence its
+        rows, None where its context is full, or the exception its planning raised (it fails that
+        sequence only)."""
+        batch = len(seqs) if batch is None else batch
+        cfg = self.cfg
+        plans: list = []
+        for seq in seqs:
+            try:
+                plans.append(self._limit(seq, engine, batch))
+            except Exception as e:  # noqa: BLE001 - this sequence's fault only
+                plans.append(e)
+        together = [i for i, pl in enumerate(plans) if isinstance(pl, tuple) and pl[0] > 0 and pl[2] is None]
+        ms = [0.0] * len(seqs)
+        if len(together) > 1 and hasattr(self.proposer, "propose_batch"):
+            t0 = time.perf_counter()
+            try:
+                got = self.proposer.propose_batch(
+                    [seqs[i].draft for i in together], [seqs[i].history for i in together],
+                    [plans[i][0] for i in together], [seqs[i].draft_sampler for i in together], cfg.p_min, cfg.p_cum,
+                    [plans[i][1] for i in together])
+            except Exception:  # noqa: BLE001 - find whose it is: each one alone below
+                together = []
+            else:
+                share = (time.perf_counter() - t0) * 1e3 / len(together)  # the pass's time, shared
+                for i, pending in zip(together, got):
+                    seqs[i].pending, ms[i] = pending, share
+        else:
+            together = []
+        for i, (seq, pl) in enumerate(zip(seqs, plans)):
+            if not isinstance(pl, tuple) or i in together:
+                continue
+            k, keep, costs = pl
+            t0 = time.perf_counter()
+            try:
+                if costs is not None:  # a chain: each member priced on its own record
+                    seq.pending = self.proposer.propose_priced(seq.draft, seq.history, k, seq.draft_sampler,
+                                                               cfg.p_min, cfg.p_cum, seq.policy, costs)
+                else:
+                    seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
+                                                        cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
+            except Exception as e:  # noqa: BLE001
+                plans[i] = e
+            ms[i] = (time.perf_counter() - t0) * 1e3
+        out = []
+        for seq, pl, m in zip(seqs, plans, ms):
+            if not isinstance(pl, tuple):
+                out.append(pl)
+                continue
+            seq.stats.draft_ms += m
+            seq.step_draft_ms = m
+            if cfg.policy == "cost" and seq.costs is not None and engine is not None:
+                self._observe_draft(engine, seq, m, batch)
+            out.append([seq.x0] + seq.pending[0])
+        return out
+
+    def _limit(self, seq, engine, batch: int):
+        """How many drafts `seq` asks for this step -> (k, keep rule, a chain's `Costs` or None), or
+        None when its context is full."""
         cache, cfg = seq.slot.cache, self.cfg
         # verification stores x0 + drafts, and the emitted token must still fit: total <= n_ctx
         room = cache.max_len - cache.length - 2
@@ -288,34 +374,20 @@ class SpeculativeDecoder:
             return None
         # a step emits at most k + 1 tokens: drafts past the tokens still allowed are never used
         left = seq.params.max_tokens - (len(seq.history) - len(seq.prompt))
-        k, keep = max(0, min(seq.k, room, left - 1)), None
+        k = max(0, min(seq.k, room, left - 1))
         costs = seq.costs
-        priced = cfg.policy == "cost" and costs is not None
-        chain = priced and isinstance(seq.policy, ChainPolicyState)  # each member priced on its own record
-        if priced and engine is not None:
+        if cfg.policy != "cost" or costs is None:
+            return k, None, None
+        if engine is not None:
             table = step_costs(engine)
-            costs = table.get(cache.length, len(costs.rows), self._cost_key()) or costs  # with what steps showed
+            costs = table.get(cache.length, len(costs.rows), self._cost_key(), batch) or costs  # as steps showed
             if batch > 1:
                 costs = table.batch_costs(engine, seq, batch, len(costs.rows), costs)
-        if priced:
-            if not chain:
-                k = CostPolicy.limit(seq.policy, costs, k)
-                keep = CostPolicy.keeper(seq.policy, costs)
-        t0 = time.perf_counter()
-        if chain:
-            seq.pending = self.proposer.propose_priced(seq.draft, seq.history, k, seq.draft_sampler,
-                                                       cfg.p_min, cfg.p_cum, seq.policy, costs)
-        else:
-            seq.pending = self.proposer.propose(seq.draft, seq.history, k, seq.draft_sampler,
-                                                cfg.p_min, cfg.p_cum, keep=keep) if k > 0 else ([], [])
-        ms = (time.perf_counter() - t0) * 1e3
-        seq.stats.draft_ms += ms
-        seq.step_draft_ms = ms
-        if priced and engine is not None:
-            self._observe_draft(engine, seq, ms)
-        return [seq.x0] + seq.pending[0]
+        if isinstance(seq.policy, ChainPolicyState):  # each member priced on its own record
+            return k, None, costs
+        return CostPolicy.limit(seq.policy, costs, k), CostPolicy.keeper(seq.policy, costs), None
 
-    def _observe_draft(self, engine, seq, ms: float) -> None:
+    def _observe_draft(self, engine, seq, ms: float, batch: int) -> None:
         """This step's drafting time into the cost table, when a timed proposer drafted (n-gram
         lookup is free and priced so). Time it spent without keeping a draft (its catch-up was done
         all the same) is carried to its next draft."""
@@ -328,7 +400,7 @@ class SpeculativeDecoder:
             return
         seq.draft_carry_ms += ms
         if n:
-            step_costs(engine).observe_draft(self._cost_key(), seq.slot.cache.length, seq.draft_carry_ms, n)
+            step_costs(engine).observe_draft(self._cost_key(), seq.slot.cache.length, seq.draft_carry_ms, n, batch)
             seq.draft_carry_ms = 0.0
 
     def commit(self, engine, seq, hidden: torch.Tensor, forward_ms: float = 0.0,
