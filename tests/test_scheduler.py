@@ -255,6 +255,30 @@ def test_a_failing_request_fails_alone(eng, monkeypatch):
         sched.shutdown(1)
 
 
+def test_run_on_the_calling_thread(eng):
+    """`Scheduler.run(stop)` serves on the caller's thread (as `mtpllm serve` does, on the thread that
+    loaded the model) until `stop()` says so; what still runs or waits then is cancelled."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:2]]
+    want = [_solo(eng, i, params, None)[0] for i in ids]
+    eng.reset()
+    sched = Scheduler(eng, None, n_slots=2, start=False)
+    finished = []
+    sched.listeners.append(lambda req, r: finished.append(req.id))
+    reqs = [sched.submit(i, params) for i in ids]
+    sched.run(stop=lambda: len(finished) == 2)
+    assert [[x.token for x in r if x.token is not None] for r in reqs] == want
+    long_ = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    reqs = [sched.submit(ids[0], long_), sched.submit(ids[1], long_), sched.submit(ids[0], long_)]
+    steps = sched.steps
+    sched.run(stop=lambda: sched.steps >= steps + 3)  # stopped with two running and one waiting
+    outs = [list(r) for r in reqs]
+    assert [o[-1].finish_reason for o in outs] == ["cancelled"] * 3
+    assert sched.steps <= steps + 5 and not sched.running and not sched.waiting
+    with pytest.raises(MtpllmError, match="shutting down"):
+        sched.submit(ids[0], params)
+
+
 def test_queue_limit_and_shutdown(eng):
     sched = Scheduler(eng, None, n_slots=1, max_queue=1)
     p = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)

@@ -301,7 +301,8 @@ def cmd_serve(argv: list[str]) -> int:
     if spec_cfg is not None and not spec_cfg.usable(eng):
         spec_cfg = None  # speculation by default only where the model has an MTP head
     from .registry import resolve_model
-    server = Server(eng, resolve_model(a.model).name, spec_cfg, params, parallel=a.parallel, max_queue=a.max_queue)
+    server = Server(eng, resolve_model(a.model).name, spec_cfg, params, parallel=a.parallel, max_queue=a.max_queue,
+                    scheduler_thread=False)  # `serve` runs it on this thread, the one that loaded the model
     print(f"mtpllm serve: {server.model_id} on http://{a.host}:{a.port} (context {eng.n_ctx}"
           f"{', speculative ' + server.spec_label if server.spec_label else ''}"
           f"{', API key required' if api_key else ''})", file=sys.stderr)

@@ -174,19 +174,40 @@ class Scheduler:
             time.sleep(0.02)
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self) -> None:
+    def run(self, stop=None) -> None:
+        """The scheduling loop on the calling thread (a Scheduler made with `start=False`), until
+        `shutdown()` or, polled while idle, `stop()` returns true; then whatever still runs or waits
+        is cancelled and leaves within a step.
+
+        Why a caller may want it on its own thread: the kernels' OpenMP threads belong to the thread
+        that starts a parallel region. A model loaded (and its kernels tuned) on one thread and run
+        on another has two teams of worker threads, more than a small machine's cores, and OpenMP
+        then stops its workers' spin-waits between parallel regions: a decoding step is ~15% slower
+        (measured on a 2-core VM). `mtpllm serve` runs this loop on the main thread, the one that
+        loaded the model, and the HTTP server on another."""
         while True:
             with self.cv:
-                while not self._stop and not self.running and not self.waiting:
-                    self.cv.wait()
-                if self._stop:
+                while True:
+                    if stop is not None and not self._stop and stop():
+                        self._stop = True
+                    if self._stop or self.running or self.waiting:
+                        break
+                    self.cv.wait(0.1 if stop is not None else None)
+                if self._stop and not self.running and not self.waiting:
                     return
+                if self._stop:  # asked to stop with work left: cancel it (it leaves within a step)
+                    self.accepting = False
+                    for r in list(self.waiting) + [a.req for a in self.running.values() if a is not None]:
+                        r.cancel()
             try:
                 self.step()
             except Exception as e:  # a bug in the loop itself: fail what runs, keep serving
                 log.error("internal error in the scheduler:\n%s", traceback.format_exc())
                 for idx in list(self.running):
                     self._fail(idx, e)
+
+    def _loop(self) -> None:
+        self.run()
 
     def step(self) -> None:
         """One scheduling step: drop cancelled, admit waiting, at most `prefill_budget` prompt

@@ -445,9 +445,29 @@ def serve(server: Server, host: str, port: int, api_key: str | None = None, cors
           max_body_bytes: int = DEFAULT_MAX_BODY, shutdown_timeout: float = 20.0, access_log: bool = True,
           webui: bool = True) -> None:
     """Run the app under uvicorn. SIGTERM / SIGINT: stop accepting, let running requests finish for
-    up to `shutdown_timeout` seconds, then cancel what is left (its generations stop at the next token)."""
+    up to `shutdown_timeout` seconds, then cancel what is left (its generations stop at the next token).
+
+    A server made with `scheduler_thread=False` runs its scheduler on this thread (the one that
+    loaded the model: `Scheduler.run` says why) and uvicorn on another; the signals are caught
+    here and handed to uvicorn."""
+    import signal
+    import threading
+
     import uvicorn
     app = create_app(server, api_key, cors_origins, max_body_bytes, access_log, webui=webui)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout)
-    uvicorn.Server(config).run()
+    http = uvicorn.Server(config)
+    if server.scheduler.thread is not None:
+        http.run()
+        return
+    worker = threading.Thread(target=http.run, name="mtpllm-http")
+    previous = {sig: signal.signal(sig, http.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    worker.start()
+    try:
+        server.scheduler.run(stop=lambda: not worker.is_alive())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        http.should_exit = True
+        worker.join()

@@ -21,7 +21,9 @@ from .metrics import Metrics
 
 class Server:
     def __init__(self, engine, model_id: str, spec_cfg=None, defaults: SamplingParams | None = None,
-                 parallel: int = 1, max_queue: int = 64):
+                 parallel: int = 1, max_queue: int = 64, scheduler_thread: bool = True):
+        """`scheduler_thread=False`: the caller runs `self.scheduler.run()` (`serve` does, on the
+        thread that loaded the model: see `Scheduler.run`)."""
         self.engine = engine
         self.model_id = model_id
         self.spec = spec_cfg.build(engine) if spec_cfg is not None else None
@@ -31,7 +33,8 @@ class Server:
         self.max_queue = max_queue  # requests that may wait for a slot; beyond: 429
         # every generation runs through the continuous-batching scheduler (one forward per step for
         # all running sequences; with one slot, one sequence at a time)
-        self.scheduler = Scheduler(engine, self.spec, n_slots=parallel, max_queue=max_queue + parallel)
+        self.scheduler = Scheduler(engine, self.spec, n_slots=parallel, max_queue=max_queue + parallel,
+                                   start=scheduler_thread)
         self.metrics = Metrics(parallel)
         self.cancelled = 0  # generations stopped early because their client went away
         self.busy = 0  # generations running
