@@ -337,3 +337,43 @@ def test_scheduler_serves_hybrid_sequences_as_alone(files):
         sched.shutdown(1)
     assert [got[i] for i in range(len(prompts))] == want
     assert sched.steps < sum(len(w) for w in want) and max(batched) == 3  # steps were shared
+
+
+@pytest.mark.parametrize("kind", ["qwen35", "qwen35moe"])
+def test_mtp_layer_drafts_for_several_sequences_at_once(files, kind):
+    """The MTP layer's gated-attention block drafts for several sequences in one stack pass per
+    draft position (never its one-sequence forward) and each gets the drafts and head cache it
+    gets alone, bit for bit."""
+    from mtpllm.runtime.sampling import Sampler
+    from mtpllm.speculative import SpecConfig
+    path = files[kind]["q8"]
+    eng = Engine(_native_only(load_model(path, "fast")), GGUFTokenizer(GGUFFile(path).metadata, kind), 128)
+    prop = SpecConfig("mtp", 3, policy="fixed").build(eng).proposer
+    m = eng.model
+    prompts = [TOKENS[:9], TOKENS[3:20], TOKENS[7:12]]
+    ks = [3, 1, 3]
+
+    @torch.inference_mode()
+    def ready(t):
+        c = m.make_cache(64)
+        hidden = m(torch.tensor(t), c)
+        st = prop.new_state()
+        prop.begin(st, t, hidden, 0)
+        return st
+
+    alone, together = [ready(t) for t in prompts], [ready(t) for t in prompts]
+    hists = [t + [t[1]] for t in prompts]
+    params = SamplingParams(temperature=0)
+    want = [prop.propose(st, h, k, Sampler(params)) for st, h, k in zip(alone, hists, ks)]
+    calls = []
+    solo = type(prop.head).forward
+    prop.head.forward = lambda *a: (calls.append(1), solo(prop.head, *a))[1]
+    try:
+        got = prop.propose_batch(together, hists, ks, [Sampler(params) for _ in prompts])
+    finally:
+        del prop.head.forward
+    assert calls == [] and [d for d, _ in got] == [d for d, _ in want]
+    assert [len(d) for d, _ in want] == ks
+    for a, b in zip(alone, together):
+        n = a.cache.length
+        assert b.cache.length == n and torch.equal(a.cache.k[:, :, :n], b.cache.k[:, :, :n])

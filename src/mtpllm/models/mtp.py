@@ -45,21 +45,29 @@ class MTPHead(nn.Module):
         sequence in its own cache) and the row-wise products run in slices below GEMM_MIN_ROWS, so
         every row gets the bits it gets alone; otherwise one sequence after another."""
         from ..runtime.linear import GEMM_MIN_ROWS
+        from . import hybrid_native
+        from .deltanet import HybridBlock
         from .layers import cached_stack, native_rows
         rows = [int(e.shape[0]) for e in embs]
-        stack = None
-        if len(caches) > 1 and isinstance(self.block, Block) and max(rows) < GEMM_MIN_ROWS \
-                and all(c.length + T <= c.max_len for c, T in zip(caches, rows)) \
-                and all(native_rows(e[:1], c) for e, c in zip(embs, caches)):
-            stack = cached_stack(self.block, "_native", [self.block])
+        stack, blk = None, self.block
+        if len(caches) > 1 and max(rows) < GEMM_MIN_ROWS and all(c.length + T <= c.max_len
+                                                                for c, T in zip(caches, rows)):
+            one = embs[0][:1]
+            if isinstance(blk, Block) and all(native_rows(one, c) for c in caches):
+                stack = cached_stack(blk, "_native", [blk])
+            elif isinstance(blk, HybridBlock) and not blk.recurrent and hybrid_native.native_rows(one, caches, rows):
+                stack = hybrid_native.cached(blk, "_native", [blk], [0])  # as `HybridBlock.forward` on layer 0
         if stack is None:
             return [self(e, h, c) for e, h, c in zip(embs, hiddens, caches)]
         n = GEMM_MIN_ROWS - 1
         x = torch.cat([self.enorm(torch.cat(embs)), self.hnorm(torch.cat(hiddens))], dim=-1)
         x = torch.cat([self.eh_proj(x[a:a + n]) for a in range(0, x.shape[0], n)])
-        cos, sin = self.block.attn.rotary.tables(max(c.length + T for c, T in zip(caches, rows)), x.device)
-        x = stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], [c.length for c in caches], rows,
-                                cos, sin, 0, 1)
+        if isinstance(blk, HybridBlock):
+            x = hybrid_native.run(stack, blk.mixer.rotary, x, caches, rows)
+        else:
+            cos, sin = blk.attn.rotary.tables(max(c.length + T for c, T in zip(caches, rows)), x.device)
+            x = stack.forward_batch(x, [c.k for c in caches], [c.v for c in caches], [c.length for c in caches],
+                                    rows, cos, sin, 0, 1)
         for c, T in zip(caches, rows):
             c.advance(T)
         return list(self.out_norm(x).split(rows))

@@ -54,6 +54,7 @@ PROBE_MIN, PROBE_MAX = 4, 64  # plain steps between single-draft probes while dr
 DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyond gets its own
 DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
 REPS = 3  # timings per row count (the fastest is kept)
+BATCH_REPS = 1  # the same for a batch's table: the shared steps' observed times correct it (`observe_step`)
 OBSERVE_WEIGHT = 0.1  # weight of one observed step in the running estimates (~10 steps of memory)
 
 
@@ -207,7 +208,8 @@ class StepCosts:
         of time is E(k) / (T(n (k + 1)) / T(n) + k d n T(1) / T(n))). A batch that is already
         compute-bound makes drafts dear: at a few sequences the policy drafts less, at many none.
         Row counts the caches cannot hold cost infinity (never chosen). Timed once per model,
-        depth band and batch size, on this sequence's cache."""
+        depth band and batch size, on this sequence's cache, once per row count: every sequence of
+        the batch waits for these forwards, and the steps that follow correct the table."""
         if self.fixed is not None or n_seqs <= 1:
             return base
         cache = seq.slot.cache
@@ -218,7 +220,7 @@ class StepCosts:
             counts = [n_seqs * r for r in range(1, n_rows + 1) if n_seqs * r <= cap]
             if not counts or seq.x0 is None:
                 return base
-            t, _ = self._time_rows(engine, seq, counts, REPS)
+            t, _ = self._time_rows(engine, seq, counts, BATCH_REPS)
             got = [t.get(n_seqs * r, math.inf) for r in range(1, n_rows + 1)]
             self.timings += 1
             if len(counts) == n_rows:  # a cache short of room says nothing of the rows it could not hold
