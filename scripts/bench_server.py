@@ -9,6 +9,8 @@ by the server itself, greedy, `n_predict` tokens, EOS ignored so every answer ha
 all clients of a round start together. Aggregate tok/s = all generated tokens / the round's wall
 time; per-stream tok/s = a request's tokens after the first / the time from its first to its last
 token; TTFT = request sent -> first token. Prints a markdown table, or JSON with --json.
+With --sustained SECONDS the clients instead send requests back to back for that long (steady load:
+a burst's last requests, which run with fewer sequences beside them, do not weigh in).
 """
 import argparse
 import json
@@ -88,6 +90,49 @@ def run_round(url: str, prompts: list[list[str]], n: int) -> dict:
             "ttft_s_max": max(r["ttft"] for r in results)}
 
 
+def run_sustained(url: str, texts: list[str], n_clients: int, n: int, seconds: float) -> dict:
+    """Every client sends requests back to back (cycling through the prompts) for `seconds`: the
+    server is kept at n_clients sequences, as under steady load, so the figure does not depend on
+    how a burst of requests ends. Aggregate = tokens streamed within the window / the window; a
+    request still running at the end is closed (the server cancels it)."""
+    counts = [0] * n_clients
+    errors: list[str] = []
+    barrier = threading.Barrier(n_clients + 1)
+    t0 = [0.0]
+
+    def client_main(c: int):
+        body = {"n_predict": n, "temperature": 0, "stream": True, "ignore_eos": True, "cache_prompt": True}
+        with httpx.Client(timeout=600) as cl:
+            barrier.wait()
+            i = 0
+            while time.perf_counter() < t0[0] + seconds:
+                prompt = texts[(c * 7 + i) % len(texts)]
+                i += 1
+                try:
+                    with cl.stream("POST", f"{url}/completion", json=dict(body, prompt=prompt),
+                                   headers={"Connection": "close"}) as r:
+                        r.raise_for_status()
+                        for line in r.iter_lines():
+                            if time.perf_counter() >= t0[0] + seconds:
+                                return
+                            if line.startswith("data: ") and json.loads(line[6:]).get("content"):
+                                counts[c] += 1
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(repr(exc))
+                    return
+
+    threads = [threading.Thread(target=client_main, args=(c,)) for c in range(n_clients)]
+    for t in threads:
+        t.start()
+    t0[0] = time.perf_counter()
+    barrier.wait()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SystemExit(f"{len(errors)} request(s) failed: {errors[0]}")
+    return {"clients": n_clients, "seconds": seconds, "tokens": sum(counts), "sustained_tps": sum(counts) / seconds}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080")
@@ -96,6 +141,8 @@ def main():
     ap.add_argument("--requests", type=int, default=2, help="requests per client per round")
     ap.add_argument("--label", default="", help="a name for this server in the output")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sustained", type=float, default=0, metavar="SECONDS",
+                    help="instead of rounds: clients send requests back to back for SECONDS (steady load)")
     a = ap.parse_args()
     url = a.url.rstrip("/")
     counts = [int(c) for c in a.clients.split(",")]
@@ -106,6 +153,13 @@ def main():
         # first batched steps (kernel choice, speculation's cost tables) are not timed
         warm = [[template(c, url, f"Say hello to user {i}.")] for i in range(max(counts))]
     run_round(url, warm, 16)
+    if a.sustained > 0:
+        rows = [dict(run_sustained(url, texts, c, a.n_predict, a.sustained), label=a.label) for c in counts]
+        for row in rows if not a.json else []:
+            print(f"| {a.label} | {row['clients']} | {row['sustained_tps']:.1f} sustained |", flush=True)
+        if a.json:
+            print(json.dumps(rows, indent=1))
+        return
     rows = []
     for n_clients in counts:
         ps = [[texts[(i * a.requests + j) % len(texts)] for j in range(a.requests)] for i in range(n_clients)]
