@@ -9,9 +9,12 @@ Tolerances, C++ path against the PyTorch path (logits of spread ~0.6):
   steps (convolution, SiLU/sigmoid from a polynomial exp, L2 norms, the delta rule's sums) round
   differently, ~1e-7 relative per step, grown through 4 layers and the recurrence to a few 1e-6.
   A wrong gate, head order, decay or norm changes logits by 1e-2 and more (tests/test_qwen35.py).
-- Q8_0 weights: 1e-2 of the logits' spread. Activations are quantized to int8 per block of 32 before
-  each product; an input that differs in the 7th digit can round one of them to the neighbouring
-  step (1/127 of the block's largest value), so the paths may differ by such steps, not by bits.
+- Q8_0 weights: 1e-2 of the logits' spread, or a tenth of how far int8 activations move the logits
+  from the same weights in float32, whichever is larger. Activations are quantized to int8 per block
+  of 32 before each product; an input that differs in the 7th digit can round one of them to the
+  neighbouring step (1/127 of the block's largest value), so the paths may differ by such steps, not
+  by bits. Through the MoE's small experts such steps reach 3% of the spread (on an Intel AVX-512
+  VNNI machine), while quantization itself moves the logits by half of it.
 """
 import pytest
 import torch
@@ -90,7 +93,16 @@ def test_cpp_path_is_taken_and_agrees_with_pytorch(files, kind, weights):
         lin = cpp.blocks[0].mixer.proj
         assert all(p.kind == "gguf" for p in getattr(lin, "parts", [lin]))
     err = (a - b).abs().max().item()
-    assert err < (TOL_F32 if weights == "f32" else TOL_Q8 * b.std().item()), err
+    if weights == "f32":
+        assert err < TOL_F32, err
+    else:
+        # int8 activations: both paths differ from the same weights in float32 by their rounding;
+        # they must agree far closer than that (a tenth of it), or within TOL_Q8 of the spread
+        exact = load_model(path, "f32")
+        exact._stack = False
+        c, _ = _steps(exact, TOKENS[:n], CHUNKS)
+        quant = (b - c).abs().max().item()
+        assert err < max(TOL_Q8 * b.std().item(), 0.1 * quant), (err, quant)
     # the check has teeth: logits one position off are far away
     assert (a[1:] - b[:-1]).abs().max() > 100 * TOL_F32
 
