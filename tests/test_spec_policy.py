@@ -464,11 +464,13 @@ def test_flags_and_defaults():
     assert parse_speculative_json('{"method":"mtp","adaptive":true}').policy == "adaptive"
     # run: nothing asked, nothing used
     assert spec_from_args(_args()) is None
-    # chat / serve: MTP where the model has a head, unless turned off
+    # chat / serve: n-gram lookup, else the MTP head, where the model has a head, unless turned off
     cfg = spec_from_args(_args(default_mtp=True), default_mtp=True)
-    assert cfg.method == "mtp" and cfg.auto and cfg.policy == "cost"
+    assert (cfg.method, cfg.fallback.method) == ("ngram", "mtp") and cfg.auto and cfg.policy == "cost"
+    assert cfg.label() == "ngram:8+mtp:3"
     cfg = spec_from_args(_args("--spec-draft-n-max", "5", "--spec-policy", "fixed", default_mtp=True), default_mtp=True)
-    assert cfg.auto and cfg.num_speculative_tokens == 5 and cfg.policy == "fixed"
+    assert cfg.auto and cfg.policy == "fixed"
+    assert (cfg.num_speculative_tokens, cfg.fallback.num_speculative_tokens) == (8, 5)  # the head's draft length
     assert spec_from_args(_args("--spec-type", "none", default_mtp=True), default_mtp=True) is None
     assert not spec_from_args(_args("--spec-mtp-head", "h.gguf", default_mtp=True), default_mtp=True).auto
     for argv, msg in [(("--spec-policy", "cost"), "without a method"),
@@ -518,7 +520,7 @@ def test_bench_spec_names_a_policy():
 def test_serve_speculates_by_default_where_the_model_has_a_head(target, tiny_models, tmp_path):
     import httpx
     from server_proc import ServerProcess
-    for model, extra, want in [(target.model.source, (), "mtp:3"), (target.model.source, ("--spec-type", "none"), None),
+    for model, extra, want in [(target.model.source, (), "ngram:8+mtp:3"), (target.model.source, ("--spec-type", "none"), None),
                                (tiny_models["qwen2"], (), None)]:
         s = ServerProcess(model, *extra, log_dir=tmp_path)
         try:
