@@ -25,7 +25,7 @@ from ..errors import MtpllmError
 from ..gguf.reader import GGUFFile
 from ..runtime import kernels
 from ..runtime.kv_cache import BatchKV, KVCache, kv_cache_bytes
-from ..runtime.linear import GEMM_MIN_ROWS, NATIVE_TYPES, Linear, make_linear
+from ..runtime.linear import GEMM_MIN_ROWS, NATIVE_TYPES, Linear, decode_rows, make_linear
 from .config import ModelConfig, config_from_gguf
 from .layers import (MLP, Attention, Block, RMSNorm, Rotary, batch_rows, cached_stack, native_rows, rope_inv_freq,
                      run_stack)
@@ -178,13 +178,9 @@ class Transformer(nn.Module):
 
 def step_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """Logits of decoding and verification rows [R, D] -> [R, V], any number of rows (several
-    sequences' rows of one batched step): one pass of the output matrix for all of them, in slices
-    of fewer than GEMM_MIN_ROWS rows, where each row gets exactly the bits one-row decoding gives it
-    (a larger slice may take a prompt-chunk kernel that sums in another order)."""
-    n = GEMM_MIN_ROWS - 1
-    if hidden.shape[0] <= n:
-        return model.logits(hidden)
-    return torch.cat([model.logits(hidden[i:i + n]) for i in range(0, hidden.shape[0], n)])
+    sequences' rows of one batched step): one pass of the output matrix for all of them, each row
+    with its one-row bits (`decode_rows`)."""
+    return decode_rows(model.logits, hidden)
 
 
 def _norm(g: GGUFFile, name: str, eps: float) -> RMSNorm:

@@ -42,9 +42,9 @@ class MTPHead(nn.Module):
         """`forward` for several sequences: embs[s], hiddens[s] [T_s, D] at positions
         [caches[s].length, +T_s) of caches[s] -> their normed output states. Where the C++ decode
         path covers the block and every cache, its weights are read once for all rows (attention per
-        sequence in its own cache) and the row-wise products run in slices below GEMM_MIN_ROWS, so
-        every row gets the bits it gets alone; otherwise one sequence after another."""
-        from ..runtime.linear import GEMM_MIN_ROWS
+        sequence in its own cache) and the row-wise products run in `decode_rows` slices, so every
+        row gets the bits it gets alone; otherwise one sequence after another."""
+        from ..runtime.linear import GEMM_MIN_ROWS, decode_rows
         from . import hybrid_native
         from .deltanet import HybridBlock
         from .layers import cached_stack, native_rows
@@ -59,9 +59,8 @@ class MTPHead(nn.Module):
                 stack = hybrid_native.cached(blk, "_native", [blk], [0])  # as `HybridBlock.forward` on layer 0
         if stack is None:
             return [self(e, h, c) for e, h, c in zip(embs, hiddens, caches)]
-        n = GEMM_MIN_ROWS - 1
         x = torch.cat([self.enorm(torch.cat(embs)), self.hnorm(torch.cat(hiddens))], dim=-1)
-        x = torch.cat([self.eh_proj(x[a:a + n]) for a in range(0, x.shape[0], n)])
+        x = decode_rows(self.eh_proj, x)
         if isinstance(blk, HybridBlock):
             x = hybrid_native.run(stack, blk.mixer.rotary, x, caches, rows)
         else:

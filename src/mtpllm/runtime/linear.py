@@ -45,6 +45,19 @@ INT4_GROUP = 32  # Q4_K sub-block size: one 6-bit scale and min per 32 weights
 # (`kernels.gguf_linear_chunk`; other 32-weight block types: dequantized, fp32 GEMM), K-quant
 # matrices stay on their tile kernel, and attention is one batched masked call.
 GEMM_MIN_ROWS = 32
+
+
+def decode_rows(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (a row-wise product: a Linear, an output matrix) over x [R, ...] in slices of fewer than
+    GEMM_MIN_ROWS rows, so that rows from several sequences batched together each get exactly the
+    bits one-row decoding gives them (a larger slice may take a prompt-chunk kernel that sums in
+    another order)."""
+    n = GEMM_MIN_ROWS - 1
+    if x.shape[0] <= n:
+        return fn(x)
+    return torch.cat([fn(x[a:a + n]) for a in range(0, x.shape[0], n)])
+
+
 # super-block types the kernel sums in int32 per 256 weights (it runs prompt chunks too)
 K_QUANTS = (int(QT.Q4_K), int(QT.Q5_K), int(QT.Q6_K))
 # 32-weight block types with an integer prompt-chunk kernel (`kernels.gguf_linear_chunk`)

@@ -218,8 +218,8 @@ def default_config() -> SpecConfig:
 
 def spec_from_args(a, default_mtp: bool = False) -> SpecConfig | None:
     """Combine --speculative JSON and llama.cpp-style flags into one validated SpecConfig (or None).
-    default_mtp: without a method, MTP (`auto`: used where the model has a head); `--spec-type none`
-    turns it off."""
+    default_mtp: without a method, `default_config()` (`auto`: used where the model has a head);
+    `--spec-type none` turns it off."""
     cfg = None
     if default_mtp and not a.speculative and a.spec_type is None and not a.spec_draft_model:
         cfg = default_config()

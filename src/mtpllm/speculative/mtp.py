@@ -17,7 +17,7 @@ from ..gguf.quants import SUPPORTED_TYPES
 from ..gguf.reader import GGUFFile
 from ..models.base import ARCHITECTURES, Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
-from ..runtime.linear import make_linear
+from ..runtime.linear import decode_rows, make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
 from ..runtime.engine import PREFILL_CHUNK
 from .verifier import common_prefix, draft_chain_steps, draft_token
@@ -360,7 +360,6 @@ class MTPProposer:
         sequence's own cache) and the draft logits of all of them come from one pass of the output
         rows, in slices that keep each row's one-row bits. So each sequence's drafts are exactly
         those it drafts alone. -> [(drafts, qs)] per sequence."""
-        from ..models.base import GEMM_MIN_ROWS
         keeps = keeps or [None] * len(sts)
         gens = [self._drafting(st, h, k, smp, p_min, p_cum, kp)
                 for st, h, k, smp, kp in zip(sts, histories, ks, samplers, keeps)]
@@ -380,9 +379,7 @@ class MTPProposer:
                 results.update(zip(heads, gs))
             outs = [i for i, r in todo.items() if r[0] == self.LOGITS]
             if outs:
-                g = torch.cat([todo[i][1] for i in outs])
-                n = GEMM_MIN_ROWS - 1
-                logits = torch.cat([self.lm_head(g[a:a + n]) for a in range(0, g.shape[0], n)])
+                logits = decode_rows(self.lm_head, torch.cat([todo[i][1] for i in outs]))
                 results.update((i, logits[j:j + 1]) for j, i in enumerate(outs))
             for i, res in results.items():
                 try:
