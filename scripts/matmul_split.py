@@ -7,8 +7,8 @@ Every `gguf` Linear of the model is called through the kernel (`kernels.gguf_lin
 activations, `--reps` times after a warm-up; the table gives ms per step and the weight bytes moved
 per second (the file's bytes: the kernels read them in place). M = 1 is decoding, M = k + 1
 verification of k drafts. MTPLLM_KERNELS_ISA=avx2 times the AVX2 build on a VNNI machine.
-`--choice NAME=A,B` times every product under each value of a kernel choice (`kernels.NAME(value)`,
-e.g. x8_tile4); row counts and values alternate step by step, and `--stat min` takes each product's
+`--choice NAME=A,B` times every product under each value of a kernel choice (`kernels.choice(NAME)`,
+e.g. x8_tile4 or tile_rows); row counts and values alternate step by step, and `--stat min` takes each product's
 fastest repetition: comparisons that hold up on a machine shared with other work.
 """
 import argparse
@@ -27,7 +27,7 @@ ap.add_argument("model")
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("-M", default="1", help="activation rows, comma-separated")
 ap.add_argument("--reps", type=int, default=5)
-ap.add_argument("--choice", help="NAME=A,B: time under each value of kernels.NAME (alternating)")
+ap.add_argument("--choice", help="NAME=A,B: time under each value of the kernel choice NAME (kernels.choice; alternating)")
 ap.add_argument("--stat", choices=("mean", "median", "min"), default="mean", help="per product, over the repetitions")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
@@ -37,7 +37,7 @@ print(f"kernels: {kernels.status()}, threads {a.threads}, {len(lins)} matrix pro
 choice, values = None, [None]
 if a.choice:
     name, vals = a.choice.split("=")
-    choice, values = getattr(kernels, name), [int(v) for v in vals.split(",")]
+    choice, values = kernels.choice(name), [int(v) for v in vals.split(",")]
 stat = {"mean": statistics.mean, "median": statistics.median, "min": min}[a.stat]
 Ms = [int(m) for m in a.M.split(",")]
 combos = [(M, v) for M in Ms for v in values]

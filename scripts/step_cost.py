@@ -7,7 +7,7 @@ Decodes one code prompt plain and with speculation (three rounds, alternating; d
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
 at ~300 positions with and without the logits and their argmax (25 alternations, median and min).
 The per-stage figures in docs/kernels.md come from this script. `--choice NAME=A,B` times the
-forwards (and stages) under each value of a kernel choice (`kernels.NAME(value)`, e.g. x8_tile4),
+forwards (and stages) under each value of a kernel choice (`kernels.choice(NAME)`, e.g. x8_tile4, tile_rows),
 alternating between them in every repetition, so that the comparison survives other load.
 `--replay R` (a hybrid model) also times each forward right after a verification block rolled back
 to R kept rows, so that it replays them first (runtime/cache.py RecurrentCache): the part of a
@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--no-decode", action="store_true", help="skip the decoding rounds")
     ap.add_argument("--rows", default="1,4", help="forward row counts to time, comma-separated")
     ap.add_argument("-r", "--reps", type=int, default=25, help="alternations of the forward timings")
-    ap.add_argument("--choice", help="NAME=A,B: time under each value of kernels.NAME (alternating)")
+    ap.add_argument("--choice", help="NAME=A,B: time under each value of the kernel choice NAME (kernels.choice; alternating)")
     ap.add_argument("--replay", type=int, default=0,
                     help="also time the forwards after a block of R + 1 rows trimmed to R (a pending replay)")
     a = ap.parse_args()
@@ -79,7 +79,7 @@ def main():
         if a.choice:
             from mtpllm.runtime import kernels
             name, vals = a.choice.split("=")
-            choice, values = getattr(kernels, name), [int(v) for v in vals.split(",")]
+            choice, values = kernels.choice(name), [int(v) for v in vals.split(",")]
         replays = [0] + ([a.replay] if a.replay else [])
         cases = {(v, T, lg, r): f"{T} row(s){' + logits' if lg else ''}" + (f" after a trim to {r} rows" if r else "")
                  + (f" [{a.choice.split('=')[0]}={v}]" if choice else "")

@@ -453,6 +453,34 @@ def test_repacked_kquant_kernel_matches_reference(qtype, m, k):
 
 
 @needs_kernel
+def test_wide_verification_tiles_give_the_same_bits():
+    """The VNNI build's tiles of 4 or 8 rows of x over Q4_Kx8 / Q6_Kx8 (the `tile_rows` choice:
+    several sequences' verification rows in one step) compute the same integers: bit-identical
+    outputs for every row count that splits differently into tiles, short and long K (paired
+    tiles below 5 rows), with an outlier in x; every row equals its one-row product. In the
+    AVX2 build the choice is accepted and has no effect (its tiles are of 2 or 4 rows)."""
+    with pytest.raises(RuntimeError, match="4 or 8"):
+        kernels.tuning("tile_rows", 6)
+    old = kernels.tuning("tile_rows")
+    try:
+        for t8 in (kernels.Q4_KX8, kernels.Q6_KX8):
+            for k in (512, 2560):
+                w = _x8(24, k, 41, t8)
+                for m in (5, 7, 8, 9, 12, 16, 19):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    x[:, 9] *= 30
+                    ys = []
+                    for rows in (4, 8):
+                        kernels.tuning("tile_rows", rows)
+                        ys.append(kernels.gguf_linear(x, [w], [t8]))
+                    assert torch.equal(ys[0], ys[1]), (t8, k, m)
+                    for i in range(m):
+                        assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [t8]), ys[1][i:i + 1])
+    finally:
+        kernels.tuning("tile_rows", old)
+
+
+@needs_kernel
 def test_avx2_verification_tiles_give_the_same_bits():
     """The AVX2 build's two tilings of 3+ rows of x over Q4_Kx8 / Q6_Kx8 (`kernels.x8_tile4`: all
     rows of a tile of 4 in one pass, or tiles of 2) compute the same integers: bit-identical

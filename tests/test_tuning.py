@@ -41,6 +41,7 @@ class Timer:
 def _restore():
     kernels.tuning("grain_macs", 262144)
     kernels.tuning("pair_nsb", 8)
+    kernels.tuning("tile_rows", 4)
 
 
 def test_the_cheaper_option_is_chosen_and_set(model, tmp_path, two_threads):
@@ -128,16 +129,17 @@ def test_a_wrong_or_corrupt_entry_is_timed_again(model, tmp_path, two_threads, d
 
 
 def test_every_option_gives_the_same_bits(model, two_threads):
-    """Decoding and verification rows with each option of each choice that exists here: identical."""
-    x = {r: torch.tensor([3, 17, 99, 5][:r]) for r in (1, 4)}
+    """Decoding and verification rows (one sequence's, and several sequences' in one step: 6 and 8
+    rows) with each option of each choice that exists here: identical."""
+    ids = [3, 17, 99, 5, 42, 7, 250, 11]
+    x = {r: torch.tensor(ids[:r]) for r in (1, 4, 6, 8)}
     prompt = torch.arange(20, 60)
 
     def run():
         cache = model.make_cache(64)
         with torch.inference_mode():
             model(prompt, cache)
-            out = [model(x[1], cache).clone()]
-            out.append(model(x[4], cache).clone())
+            out = [model(x[r], cache).clone() for r in (1, 4, 6, 8)]
         return out
 
     try:

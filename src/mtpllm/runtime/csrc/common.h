@@ -66,12 +66,18 @@ inline __m256 exp256(__m256 x) {
 //               between threads; small matrices run on the calling thread)
 //   pair_nsb    verification tiles of 2-4 rows take two Q4_Kx8 row groups at once (`x8_tile2`,
 //               AVX-512 VNNI build) above this many super-blocks of K
+//   tile_rows   rows of x per tile of the 8-row K-quant layouts beyond the paired range: 4, or 8
+//               (AVX-512 VNNI build; each group's codes decoded once for 8 rows)
 inline int64_t& tune_grain_macs() {
   static int64_t v = 262144;
   return v;
 }
 inline int64_t& tune_pair_nsb() {
   static int64_t v = 8;
+  return v;
+}
+inline int64_t& tune_tile_rows() {
+  static int64_t v = 4;
   return v;
 }
 

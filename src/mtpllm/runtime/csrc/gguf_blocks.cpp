@@ -305,10 +305,13 @@ int64_t tuning(c10::string_view name, int64_t value) {
   int64_t* v = nullptr;
   if (name == "grain_macs") v = &mtpllm::tune_grain_macs();
   if (name == "pair_nsb") v = &mtpllm::tune_pair_nsb();
-  TORCH_CHECK(v != nullptr, "tuning: unknown choice '", std::string(name.data(), name.size()), "' (grain_macs, pair_nsb)");
+  if (name == "tile_rows") v = &mtpllm::tune_tile_rows();
+  TORCH_CHECK(v != nullptr, "tuning: unknown choice '", std::string(name.data(), name.size()),
+              "' (grain_macs, pair_nsb, tile_rows)");
   const int64_t old = *v;
   if (value >= 0) {
     TORCH_CHECK(name != "grain_macs" || value >= 1, "tuning: grain_macs must be at least 1");
+    TORCH_CHECK(name != "tile_rows" || value == 4 || value == 8, "tuning: tile_rows must be 4 or 8");
     *v = value;
   }
   return old;

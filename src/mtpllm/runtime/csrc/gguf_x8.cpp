@@ -74,7 +74,12 @@ __attribute__((always_inline)) inline void x8_finish(const uint8_t* b, const Act
 }
 
 #if MTPLLM_VNNI
-constexpr int X8_RM = 4;  // rows of x per tile (32 vector registers)
+constexpr int X8_RM = 4;       // rows of x per paired tile (x8_tile2), and the default tile
+constexpr int X8_RM_MAX = 8;   // the widest tile (32 vector registers: 8 rows' accumulators fit)
+// Tiles of 8 rows of x (`tune_tile_rows`, chosen per machine by timing) decode each group's codes
+// once for 8 rows instead of twice for two tiles of 4: more multiply-adds per decoded byte where
+// the products are compute-bound (several sequences' verification rows in one step), at the cost of
+// a tile of x that may not stay in L1 over a long K.
 // Above this many super-blocks (default 8: K > 2048; `tune_pair_nsb`, chosen per machine by
 // timing) verification tiles take two Q4_Kx8 row groups at once (`x8_tile2`): 4 rows of x over
 // K = 8960 (35 KB) are read from L2 once per pair of groups instead of once per group (Zen 5: the
@@ -175,6 +180,7 @@ inline void x8_tile2(const uint8_t* blk0, const uint8_t* blk1, int64_t nsb, cons
 }
 #else
 constexpr int X8_RM = 2;  // 16 registers
+constexpr int X8_RM_MAX = 2;
 
 // the same on 256-bit registers: half q of a pair's 64 bytes holds 8 codes of rows 4 q .. 4 q + 3
 template <int RM>
@@ -516,7 +522,7 @@ inline void q6x8_tile4(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* f
 #endif
 
 // Output rows [n0, n1) of a Q4_Kx8 or Q6_Kx8 matrix (row groups of 8 starting in that range) against
-// the M rows of x into y (row stride ldy), in tiles of X8_RM rows of x
+// the M rows of x into y (row stride ldy), in tiles of X8_RM (or tune_tile_rows) rows of x
 struct Q4Kx8Tile {
   template <int RM> static void run(const uint8_t* b, int64_t nsb, const ActK& a, __m256* f) { x8_tile<RM>(b, nsb, a, f); }
 };
@@ -538,7 +544,7 @@ template <class Tile, int RM> void run_tile4(const uint8_t* b, int64_t nsb, cons
 }
 #endif
 
-template <class Tile, int RM = X8_RM>
+template <class Tile, int RM = X8_RM_MAX>
 inline void kx8_tile_rm(int rm, const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc) {
   if constexpr (RM > 1) {
     if (rm < RM) return kx8_tile_rm<Tile, RM - 1>(rm, blk, nsb, a, facc);
@@ -587,12 +593,17 @@ void kx8_rows(const uint8_t* w, int64_t group_bytes, int64_t n0, int64_t n1, con
     return;
   }
 #endif
+#if MTPLLM_VNNI
+  const int64_t step = mtpllm::tune_tile_rows() >= X8_RM_MAX ? X8_RM_MAX : X8_RM;
+#else
+  const int64_t step = X8_RM;
+#endif
   for (; grp * 8 < n1; ++grp) {
     const uint8_t* blk = w + grp * group_bytes;
-    for (int64_t m = 0; m < M; m += X8_RM) {
-      const int rm = static_cast<int>(std::min<int64_t>(X8_RM, M - m));
-      __m256 facc[X8_RM];
-      for (int r = 0; r < X8_RM; ++r) facc[r] = _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; m += step) {
+      const int rm = static_cast<int>(std::min<int64_t>(step, M - m));
+      __m256 facc[X8_RM_MAX];
+      for (int r = 0; r < X8_RM_MAX; ++r) facc[r] = _mm256_setzero_ps();
       kx8_tile_rm<Tile>(rm, blk, nsb, xk.from(m), facc);
       for (int r = 0; r < rm; ++r) _mm256_storeu_ps(y + (m + r) * ldy + grp * 8, facc[r]);
     }
