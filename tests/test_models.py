@@ -239,13 +239,16 @@ def test_fused_decode_operators_match_pytorch(tiny_models, arch, monkeypatch):
                                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
 
 
+@pytest.mark.parametrize("window", [0, 9, 40])
 @pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (14, 2, 64), (6, 3, 80), (4, 2, 36)])
-def test_cached_attention_rows_alone_or_together(H, KV, D):
+def test_cached_attention_rows_alone_or_together(H, KV, D, window):
     """The fused decode attention (rotary, cache write, attention over the cache) takes the query
     vectors that share a kv head together, sweeping keys and values in chunks: every row's output is
     still bit for bit what it is when the row is decoded alone (verification of drafts must equal
     decoding), at contexts that are and are not multiples of the chunk, head sizes with and without
-    a 32-dim tail; and it is attention (float64 reference, float32 rounding)."""
+    a 32-dim tail; and it is attention (float64 reference, float32 rounding), over the last
+    `window` keys of each row when a window is set (the MTP head's: shorter and longer than the
+    context, not a multiple of the blocks of 8 keys)."""
     from mtpllm.runtime import kernels
     if not kernels.available():
         pytest.skip(kernels.status())
@@ -259,7 +262,7 @@ def test_cached_attention_rows_alone_or_together(H, KV, D):
 
         def attend(rows, at, k, v):
             return kernels.attend_cached(rows.contiguous(), cos, sin, k, v, at, H, KV, D, D, True, D ** -0.5,
-                                         None, None, 1e-6)
+                                         None, None, 1e-6, window)
         k1, v1 = kc.clone(), vc.clone()
         together = attend(qkv, start, k1, v1)
         k2, v2 = kc.clone(), vc.clone()
@@ -279,8 +282,9 @@ def test_cached_attention_rows_alone_or_together(H, KV, D):
         for t in range(T):
             for hd in range(H):
                 kv = hd // (H // KV)
-                w = torch.softmax(K[kv, :start + t + 1] @ q[t, hd] * D ** -0.5, 0)
-                torch.testing.assert_close(together[t, hd * D:(hd + 1) * D].double(), w @ V[kv, :start + t + 1],
+                lo = max(0, start + t + 1 - window) if window else 0
+                w = torch.softmax(K[kv, lo:start + t + 1] @ q[t, hd] * D ** -0.5, 0)
+                torch.testing.assert_close(together[t, hd * D:(hd + 1) * D].double(), w @ V[kv, lo:start + t + 1],
                                            rtol=1e-4, atol=1e-5)
 
 

@@ -66,6 +66,68 @@ def test_greedy_identity_head_only_file(target, tiny_dir):
         assert target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec).tokens == ref.tokens
 
 
+def test_head_window_limits_the_heads_attention(target, tiny_dir):
+    """A head attending over the last W positions of its cache (`MTPHead.set_window`): the C++ rows
+    (decoding, drafts) and the PyTorch prompt chunks agree on which keys a position sees, positions
+    within the window are unchanged bit for bit, several sequences' rows in one batch get the bits
+    they get alone, and greedy output stays plain decoding's. A head trained on S-token windows
+    (`mtpllm.train.seq_len`) gets max(HEAD_WINDOW, 2 S) at load; other heads attend everywhere."""
+    from mtpllm.speculative.mtp import HEAD_WINDOW, head_window
+    path = make_tiny_head(tiny_dir / "mtp-win.gguf", "qwen2", n_layers=2, seed=9)
+    assert head_window(GGUFFile(path)) == 0
+    trained = make_tiny_head(tiny_dir / "mtp-win256.gguf", "qwen2", n_layers=2, seed=9,
+                             meta={"mtpllm.train.seq_len": 256})
+    assert head_window(GGUFFile(trained)) == max(HEAD_WINDOW, 512)
+    assert MTPProposer.for_engine(target, str(trained)).head.window == max(HEAD_WINDOW, 512)
+    bad = make_tiny_head(tiny_dir / "mtp-winbad.gguf", "qwen2", n_layers=2, seed=9,
+                         meta={"mtpllm.train.seq_len": "long"})
+    with pytest.raises(MtpllmError, match="seq_len"):
+        head_window(GGUFFile(bad))
+
+    prop = MTPProposer.for_engine(target, str(path))
+    head, cfg = prop.head, target.model.cfg
+    T = 40  # >= GEMM_MIN_ROWS: one prompt chunk runs the PyTorch modules (masked attention)
+    g = torch.Generator().manual_seed(4)
+    emb = prop.embed(torch.randint(0, cfg.vocab_size, (T,), generator=g))
+    hid = torch.randn(T, cfg.d_model, generator=g)
+
+    def run(window, chunk):
+        head.set_window(window)
+        c = head.make_cache(cfg, 64)
+        with torch.inference_mode():
+            if chunk:
+                return head(emb, hid, c)
+            return torch.cat([head(emb[t:t + 1], hid[t:t + 1], c) for t in range(T)])
+
+    full, win = run(0, False), run(6, False)
+    assert torch.equal(win[:6], full[:6])
+    for w, rows in ((0, full), (6, win)):
+        torch.testing.assert_close(run(w, True), rows, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    gap = (win[6:] - full[6:]).abs().max()
+    assert gap > 10 * (run(6, True) - win).abs().max()  # the window changes far more than the path does
+
+    # two sequences past the window, verified together: each row as alone
+    def fill(n):
+        c = head.make_cache(cfg, 64)
+        with torch.inference_mode():
+            for t in range(n):
+                head(emb[t:t + 1], hid[t:t + 1], c)
+        return c
+    head.set_window(6)
+    with torch.inference_mode():
+        a, b = fill(20), fill(13)
+        together = head.forward_batch([emb[20:24], emb[13:14]], [hid[20:24], hid[13:14]], [a, b])
+        a, b = fill(20), fill(13)
+        alone = [head(emb[20:24], hid[20:24], a), head(emb[13:14], hid[13:14], b)]
+    assert all(torch.equal(x, y) for x, y in zip(together, alone))
+
+    ref = _plain(target, GREEDY)
+    for k in (1, 3):
+        spec = SpecConfig(method="mtp", num_speculative_tokens=k, mtp_head=str(path), policy="fixed").build(target)
+        spec.proposer.head.set_window(4)
+        assert target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec).tokens == ref.tokens
+
+
 def test_mtp_head_with_matching_weights_is_accepted(tiny_dir):
     """A head whose block copies trunk data is still only a draft; but a tiny model with an MTP
     block of its own gets non-zero acceptance on repetitive text only by chance. Check instead

@@ -136,14 +136,16 @@ def make_tiny(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: in
 
 
 def make_tiny_head(path: str | Path, arch: str = "qwen2", n_layers: int = 2, seed: int = 1, ffn: int = 256,
-                   trunk_sha256: str | None = None, draft_vocab: list[int] | None = None) -> Path:
+                   trunk_sha256: str | None = None, draft_vocab: list[int] | None = None,
+                   meta: dict | None = None) -> Path:
     """A head-only `mtp-*.gguf` file for a tiny trunk with `n_layers` layers (block index n_layers)."""
     rng = np.random.default_rng(seed)
     tensors: dict = {}
     nextn_tensors(rng, n_layers, arch, tensors, ffn=ffn)
+    extra = meta or {}
     meta = {".block_count": n_layers + 1, ".nextn_predict_layers": 1, ".embedding_length": D,
             ".feed_forward_length": ffn, ".attention.head_count": HEADS, ".attention.head_count_kv": KV,
-            "general.type": "mtp-head"}
+            "general.type": "mtp-head", **extra}
     if trunk_sha256:
         meta["mtpllm.trunk_sha256"] = trunk_sha256
     if draft_vocab is not None:

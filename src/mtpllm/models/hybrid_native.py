@@ -89,7 +89,7 @@ def build_stack(blocks, slots: list[int]):
         return None
     atts = [b.mixer for b in blocks if not b.recurrent]
     if atts and (len({_attn_key(a) for a in atts}) != 1 or len({id(a.rotary) for a in atts}) != 1
-                 or any(a.window for a in atts)):
+                 or len({a.window for a in atts}) != 1):
         return None
     norms = [n for b in blocks for n in (b.attn_norm, b.ffn_norm)]
     norms += [b.mixer.norm for b in blocks if b.recurrent]
@@ -97,6 +97,8 @@ def build_stack(blocks, slots: list[int]):
         return None
     H, KV, hd, rot, neox, scale, qk_eps = _attn_key(atts[0]) if atts else (1, 1, 1, 0, True, 1.0, 1e-6)
     stack = kernels.hybrid_stack(H, KV, hd, rot, neox, scale, norms[0].eps, qk_eps)
+    if atts:
+        stack.set_window(atts[0].window)  # on caches that keep every position (`native_rows`)
     b_ = _Builder(stack)
     try:
         for blk, slot in zip(blocks, slots):

@@ -145,10 +145,10 @@ class Attention(nn.Module):
     def _mix(self, qkv: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         """Rotary, cache write and attention for qkv [T, ...] at `positions` -> [T, H * hd]."""
         T = qkv.shape[0]
-        if T < GEMM_MIN_ROWS and isinstance(kv, KVCache) and not kv.span(layer) and not self.window \
-                and _fused(qkv):
+        if T < GEMM_MIN_ROWS and isinstance(kv, KVCache) and not kv.span(layer) and _fused(qkv):
             # decoding and verification: norm, rotary, cache write and attention in one operator,
-            # each query row computed exactly as in one-token decoding
+            # each query row computed exactly as in one-token decoding (a window on a cache that
+            # keeps every position: the kernel reads the window's keys only)
             start = int(positions[0])
             if start + T > kv.max_len:
                 raise MtpllmError(f"context overflow: position {start + T} exceeds the context size {kv.max_len}")
@@ -159,7 +159,7 @@ class Attention(nn.Module):
                 self.rotary.rot_dim, self.rotary.style == "neox", self.scale or 1.0 / math.sqrt(self.hd),
                 self.q_norm.weight if self.q_norm is not None else None,
                 self.k_norm.weight if self.k_norm is not None else None,
-                self.q_norm.eps if self.q_norm is not None else 1e-6)
+                self.q_norm.eps if self.q_norm is not None else 1e-6, self.window)
             return o
         q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
         v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
@@ -240,7 +240,7 @@ def _stack_args(b: Block) -> tuple | None:
     """`DecodeStack.add_layer`'s weights of a block, or None for a layout it does not cover."""
     a, m = b.attn, b.mlp
     lins = (a.qkv, a.out, m.gate_up, m.down)
-    if b.post_attn_norm is not None or b.post_ffn_norm is not None or a.window or m.act_name != "silu" \
+    if b.post_attn_norm is not None or b.post_ffn_norm is not None or m.act_name != "silu" \
             or not all(isinstance(lin, Linear) and lin.kind == "gguf" for lin in lins) \
             or any(lin.bias is not None for lin in lins[1:]) or b.attn_norm.eps != b.ffn_norm.eps:
         return None
@@ -265,11 +265,12 @@ def decode_stack(blocks: list[Block]):
         return None
     args = [_stack_args(b) for b in blocks]
     if any(a is None for a in args) or len({_attn_key(b) for b in blocks}) != 1 \
-            or len({id(b.attn.rotary) for b in blocks}) != 1:
+            or len({id(b.attn.rotary) for b in blocks}) != 1 or len({b.attn.window for b in blocks}) != 1:
         return None
     stack = kernels.decode_stack(*_attn_key(blocks[0]))
     for i, (w, (qn, kn)) in enumerate(args):
         stack.add_layer(*w, qn, kn, i)
+    stack.set_window(blocks[0].attn.window)  # on caches that keep every position (`native_rows`)
     return stack
 
 

@@ -26,6 +26,20 @@ class MTPHead(nn.Module):
         self.lm_head = lm_head  # own head (`nextn.shared_head_head`), else the trunk's
         self.embed = embed  # own embedding (`nextn.embed_tokens`), else the trunk's
 
+    @property
+    def window(self) -> int:
+        """The keys each position's attention in the head's block sees: the last `window` (0 = all)."""
+        return self.block.attn.window
+
+    def set_window(self, window: int) -> None:
+        """Attend over the last `window` positions of the head's cache only (0 = all of them): the
+        head's cost per drafted token stops growing with the context. Its cache still keeps every
+        position (the C++ kernels read the window's keys in place)."""
+        if window < 0:
+            raise ValueError(f"MTP head window must be >= 0, got {window}")
+        self.block.attn.window = int(window)
+        self.block._native = None  # its C++ stack is built again with the window
+
     def make_cache(self, cfg, max_len: int, device="cpu") -> KVCache:
         return KVCache(1, cfg.n_kv_heads, cfg.head_dim, max_len, device=device)
 

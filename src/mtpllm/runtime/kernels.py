@@ -277,12 +277,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                   start: int, n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float,
-                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                  window: int = 0) -> torch.Tensor:
     """Decode-time attention for T <= 32 new tokens at positions [start, start + T) (csrc/attention.cpp):
     q/k norm and rotary on qkv [T, (H + 2 KV) * D], k/v written into the layer's caches kc/vc
-    [KV, max_len, D], causal attention over positions [0, start + t] -> [T, H * D]."""
+    [KV, max_len, D], causal attention over positions [0, start + t] (the last `window` of them
+    when window > 0) -> [T, H * D]."""
     return _op("attend_cached")(qkv, cos, sin, kc, vc, start, n_heads, n_kv, head_dim, rot_dim, neox, scale,
-                                q_norm, k_norm, eps)
+                                q_norm, k_norm, eps, window)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,12 @@ def mtp_info(g: GGUFFile) -> dict:
             info[key.removeprefix("mtpllm.")] = g.metadata[key]
     if isinstance(g.get("mtpllm.draft_vocab"), list):
         info["draft_vocab_size"] = len(g.metadata["mtpllm.draft_vocab"])
+    if info["present"]:
+        from ..speculative.mtp import head_window
+        try:
+            info["attention_window"] = head_window(g)  # 0: every position
+        except MtpllmError as e:
+            info["problem"] = str(e)
     return info
 
 
@@ -186,10 +192,13 @@ def format_text(r: dict, all_tensors: bool = False) -> str:
     if m["present"]:
         lines.append(f"  {m['kind']}: {m['nextn_predict_layers']} next-n layer(s), blocks {m['blocks']}")
         for k in ("trunk_sha256", "train.data", "train.steps", "train.history", "eval.mean_acceptance_length",
-                  "eval.per_position", "draft_vocab_size"):
+                  "eval.per_position", "draft_vocab_size", "attention_window"):
             if k == "train.history" and isinstance(m.get(k), list):
                 lines.append(f"  train.history: fine-tuned from {len(m[k])} earlier run(s), latest first:")
                 lines.extend(f"    - {h}" for h in reversed(m[k]))
+            elif k == "attention_window" and k in m:
+                lines.append(f"  attention_window: {m[k] or 'all positions'}"
+                             + (" (the head attends over the last positions of its cache only)" if m[k] else ""))
             elif k in m:
                 lines.append(f"  {k}: {m[k]}")
     else:

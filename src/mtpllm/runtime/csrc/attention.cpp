@@ -6,7 +6,8 @@
 //       for T <= 32 new tokens at positions [start, start + T): optional per-head RMS norm of q and
 //       k, rotary embedding (NeoX or adjacent-pair style, partial rotary), write k and v into the
 //       layer's cache at those positions, then causal attention of every query row over the keys
-//       [0, start + t] -> o [T, H * D].
+//       [0, start + t] (with window W > 0: the last W of them, [start + t + 1 - W, start + t])
+//       -> o [T, H * D].
 //
 // Every query row is computed by one thread from its own inputs in a fixed order, so a row gives
 // bit-identical output whether it is decoded alone or verified in a block of drafts.
@@ -153,8 +154,9 @@ inline void rope(float* v, const float* c, const float* s, int64_t rot, bool neo
 at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                          const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                          int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                         const c10::optional<at::Tensor>& k_norm, double eps) {
+                         const c10::optional<at::Tensor>& k_norm, double eps, int64_t window) {
   const int64_t T = qkv.size(0), D = head_dim, H = n_heads, KV = n_kv;
+  TORCH_CHECK(window >= 0, "attention window must be >= 0");
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
               qkv.size(1) == (H + 2 * KV) * D, "qkv: contiguous float32 [T, (H + 2 KV) * D]");
   TORCH_CHECK(H % KV == 0 && rot_dim % 2 == 0 && rot_dim <= D, "bad head configuration");
@@ -199,6 +201,9 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   // stream bounded the kernel). Each query's arithmetic is unchanged (the same blocks of 8 keys, the
   // same order of multiply-adds per output element, its accumulators kept in memory between chunks),
   // so a row's output is the same bit for bit whether it is decoded alone or verified with others.
+  // With a window each query sees its last `window` keys only: its key range starts at lo (its own
+  // position's), and its blocks of 8 and chunks count from there, so a row's output still depends on
+  // its position alone.
   at::Tensor out = at::empty({T, H * D}, qkv.options());
   float* op = out.data_ptr<float>();
   const int64_t group = H / KV;
@@ -215,21 +220,26 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
       const float* K = kp + g * max_len * D;
       const float* V = vp + g * max_len * D;
       const float* qv[QCH];
+      const float* Kv[QCH];  // the query's first key and value
+      const float* Vv[QCH];
       float* pv[QCH];
       float* ov[QCH];
       int64_t Lv[QCH], Lmax = 0;
       float inv[QCH];
       for (int64_t i = 0; i < n; ++i) {  // query q0 + i: row t, head h of this kv head's group
         const int64_t t = (q0 + i) / group, h = g * group + (q0 + i) % group;
+        const int64_t end = start + t + 1, lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
         qv[i] = wp + t * row + h * D;
+        Kv[i] = K + lo * D;
+        Vv[i] = V + lo * D;
         pv[i] = pbuf.data() + i * P;
         ov[i] = op + t * H * D + h * D;
-        Lv[i] = start + t + 1;
+        Lv[i] = end - lo;
         Lmax = std::max(Lmax, Lv[i]);
       }
       for (int64_t j0 = 0; j0 < Lmax; j0 += CH)
         for (int64_t i = 0; i < n; ++i)
-          if (j0 < Lv[i]) scores(qv[i], K, D, Lv[i], j0, std::min(j0 + CH, Lv[i]), sc, pv[i]);
+          if (j0 < Lv[i]) scores(qv[i], Kv[i], D, Lv[i], j0, std::min(j0 + CH, Lv[i]), sc, pv[i]);
       for (int64_t i = 0; i < n; ++i) {
         float* p = pv[i];
         const int64_t L = Lv[i];
@@ -253,7 +263,7 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
       }
       for (int64_t j0 = 0; j0 < Lmax; j0 += CH)
         for (int64_t i = 0; i < n; ++i)
-          if (j0 < Lv[i]) weighted_values(pv[i], V, D, j0, std::min(j0 + CH, Lv[i]), acc.data() + i * D);
+          if (j0 < Lv[i]) weighted_values(pv[i], Vv[i], D, j0, std::min(j0 + CH, Lv[i]), acc.data() + i * D);
       for (int64_t i = 0; i < n; ++i) {
         const float* a = acc.data() + i * D;
         float* o = ov[i];
@@ -274,16 +284,17 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps) {
 at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                        const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                        int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps) {
+                       const c10::optional<at::Tensor>& k_norm, double eps, int64_t window) {
   return attend_cached(qkv, cos, sin, kc, vc, start, n_heads, n_kv, head_dim, rot_dim, neox, scale, q_norm, k_norm,
-                       eps);
+                       eps, window);
 }
 }  // namespace mtpllm
 
 TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attend_cached(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kc, Tensor(b!) vc, int start, int n_heads, "
-        "int n_kv, int head_dim, int rot_dim, bool neox, float scale, Tensor? q_norm, Tensor? k_norm, float eps) -> Tensor");
+        "int n_kv, int head_dim, int rot_dim, bool neox, float scale, Tensor? q_norm, Tensor? k_norm, float eps, "
+        "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtpllm, CPU, m) {

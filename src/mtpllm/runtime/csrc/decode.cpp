@@ -73,6 +73,7 @@ struct DecodeStack : torch::CustomClassHolder {
   // Per-stage wall time of forward (set_timing, stage_times): attention norm + QKV (+ bias), attention,
   // output projection + residual, FFN norm + gate/up, SiLU * up, FFN down + residual.
   mtpllm::StageClock timer{6};
+  int64_t window = 0;  // keys each query row of the attention layers sees: the last `window` (0 = all)
 
   DecodeStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
               double qk_eps)
@@ -103,6 +104,10 @@ struct DecodeStack : torch::CustomClassHolder {
   int64_t size() const { return static_cast<int64_t>(layers.size()); }
 
   void set_timing(bool on) { timer.set(on); }
+  void set_window(int64_t w) {
+    TORCH_CHECK(w >= 0, "DecodeStack: window must be >= 0");
+    window = w;
+  }
   std::vector<double> stage_times() const { return timer.times(); }
 
   at::Tensor forward(at::Tensor x, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin, int64_t start,
@@ -128,7 +133,7 @@ struct DecodeStack : torch::CustomClassHolder {
       if (L.qkv_b.defined()) qkv.add_(L.qkv_b);
       timer.lap(0);
       at::Tensor o = mtpllm::attend_batch("DecodeStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, n_heads, n_kv,
-                                          head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps);
+                                          head_dim, rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps, window);
       timer.lap(1);
       x = x + mtpllm::gguf_linear_rows(o, L.o_w, L.o_t);
       timer.lap(2);

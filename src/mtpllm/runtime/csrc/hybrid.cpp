@@ -306,8 +306,13 @@ struct HybridStack : torch::CustomClassHolder {
   // DeltaNet convolution + delta rule + gated norm, DeltaNet output projection, attention norm +
   // projections, attention, attention output projection, FFN (norm, products, routing).
   mtpllm::StageClock timer{7};
+  int64_t window = 0;  // keys each query row of the attention layers sees: the last `window` (0 = all)
 
   void set_timing(bool on) { timer.set(on); }
+  void set_window(int64_t w) {
+    TORCH_CHECK(w >= 0, "HybridStack: window must be >= 0");
+    window = w;
+  }
   std::vector<double> stage_times() const { return timer.times(); }
 
   HybridStack(int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim, bool neox, double scale, double eps,
@@ -700,7 +705,7 @@ struct HybridStack : torch::CustomClassHolder {
           std::memcpy(qp + t * (H + 2 * KV) * hd + H * hd, pr + 2 * H * hd, 2 * KV * hd * sizeof(float));
         }
         at::Tensor o = mtpllm::attend_batch("HybridStack", qkv, ks, vs, starts, rows, cos, sin, L.slot, H, KV, hd,
-                                            rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps)
+                                            rot_dim, neox, scale, L.q_norm, L.k_norm, qk_eps, window)
                            .contiguous();
         float* op = o.data_ptr<float>();
         for (int64_t t = 0; t < R; ++t) mul_sigmoid(op + t * H * hd, gp + t * H * hd, H * hd);

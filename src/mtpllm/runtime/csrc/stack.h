@@ -14,7 +14,7 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor attend_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                        const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                        int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                       const c10::optional<at::Tensor>& k_norm, double eps);
+                       const c10::optional<at::Tensor>& k_norm, double eps, int64_t window);
 at::Tensor silu_mul_rows(const at::Tensor& gu);
 
 // Per-stage wall time of a stack's forward passes (DecodeStack, HybridStack), summed over layers and
@@ -75,7 +75,7 @@ inline at::Tensor attend_batch(const char* who, const at::Tensor& qkv, const std
                                const std::vector<int64_t>& rows, const at::Tensor& cos, const at::Tensor& sin,
                                int64_t slot, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t rot_dim,
                                bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
-                               const c10::optional<at::Tensor>& k_norm, double eps) {
+                               const c10::optional<at::Tensor>& k_norm, double eps, int64_t window) {
   const size_t S = rows.size();
   std::vector<at::Tensor> parts(S);
   int64_t off = 0;
@@ -83,14 +83,15 @@ inline at::Tensor attend_batch(const char* who, const at::Tensor& qkv, const std
     TORCH_CHECK(slot < ks[s].size(0), who, ": cache has no slot ", slot);
     parts[s] = attend_rows(S == 1 ? qkv : qkv.narrow(0, off, rows[s]), cos, sin, ks[s].select(0, slot),
                            vs[s].select(0, slot), starts[s], n_heads, n_kv, head_dim, rot_dim, neox, scale, q_norm,
-                           k_norm, eps);
+                           k_norm, eps, window);
     off += rows[s];
   }
   return S == 1 ? parts[0] : at::cat(parts, 0);
 }
 
 // Registers a stack class C with what both have: the constructor (n_heads, n_kv, head_dim, rot_dim,
-// neox, scale, eps, qk_eps), size, forward_batch, set_timing and stage_times
+// neox, scale, eps, qk_eps), size, forward_batch, set_timing, stage_times and set_window (the keys
+// each query row of its attention layers sees: the last `window`, 0 = all)
 template <class C>
 torch::class_<C> stack_class(torch::Library& m, const char* name) {
   return m.class_<C>(name)
@@ -98,7 +99,8 @@ torch::class_<C> stack_class(torch::Library& m, const char* name) {
       .def("size", &C::size)
       .def("forward_batch", &C::forward_batch)
       .def("set_timing", &C::set_timing)
-      .def("stage_times", &C::stage_times);
+      .def("stage_times", &C::stage_times)
+      .def("set_window", &C::set_window);
 }
 
 }  // namespace mtpllm
