@@ -115,6 +115,44 @@ def test_drafting_together_equals_drafting_alone(eng_q, temperature):
         assert torch.equal(a.cache.k[:, :, :n], b.cache.k[:, :, :n]) and torch.equal(a.cache.v[:, :, :n], b.cache.v[:, :, :n])
 
 
+def test_a_failed_batch_of_drafts_leaves_every_state_as_it_was(eng_q):
+    """When drafting for several sequences at once raises partway (here one sequence's keep rule,
+    after every head cache has taken its catch-up entries and first drafts), every sequence's MTP
+    state is rolled back to where it was: the others then draft alone exactly as if the batch had
+    never run (the scheduler retries each sequence alone and fails only the faulty one)."""
+    from mtpllm.runtime.sampling import Sampler
+    eng = eng_q
+    prop = SpecConfig("mtp", num_speculative_tokens=3, policy="fixed").build(eng).proposer
+    m = eng.model
+    ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(temperature=0)
+
+    @torch.inference_mode()
+    def ready(t):
+        hidden = m(torch.tensor(t), m.make_cache(64))
+        st = prop.new_state()
+        prop.begin(st, t, hidden, 0)
+        return st
+
+    hists = [t + [t[0]] for t in ids]
+    fresh, tried = [ready(t) for t in ids], [ready(t) for t in ids]
+    before = [(st.cache.length, list(st.tokens), st.pending_h.clone(), st.pending_start) for st in tried]
+
+    def boom(i, p):
+        if i == 1:
+            raise RuntimeError("keep rule failed")
+        return True
+    with pytest.raises(RuntimeError, match="keep rule"):
+        prop.propose_batch(tried, hists, [3, 3, 3], [Sampler(params) for _ in ids], keeps=[None, boom, None])
+    for st, (n, toks, ph, ps) in zip(tried, before):
+        assert st.cache.length == n and st.tokens == toks and torch.equal(st.pending_h, ph) and st.pending_start == ps
+    for a, b, h in zip(fresh, tried, hists):
+        got, want = prop.propose(b, h, 3, Sampler(params)), prop.propose(a, h, 3, Sampler(params))
+        assert got[0] == want[0] and len(want[0]) == 3
+        n = a.cache.length
+        assert b.cache.length == n and torch.equal(a.cache.k[:, :, :n], b.cache.k[:, :, :n])
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_a_step_reads_the_output_matrix_once(eng, k):
     """The logits of all sequences' rows in a step come from one pass of the output matrix (per

@@ -378,7 +378,18 @@ class MTPProposer:
         sequence still drafting (`MTPHead.forward_batch`: its weights read once, attention in each
         sequence's own cache) and the draft logits of all of them come from one pass of the output
         rows, in slices that keep each row's one-row bits. So each sequence's drafts are exactly
-        those it drafts alone. -> [(drafts, qs)] per sequence."""
+        those it drafts alone. -> [(drafts, qs)] per sequence. If it raises, every state is as it
+        was before the call (the caller can retry each sequence alone)."""
+        saved = [(st.cache.length, st.tokens, st.pending_h, st.pending_start) for st in sts]
+        try:
+            return self._propose_batch(sts, histories, ks, samplers, p_min, p_cum, keeps)
+        except BaseException:
+            for st, (length, tokens, pending_h, pending_start) in zip(sts, saved):
+                st.cache.trim(st.cache.length - length)  # entries past it are written again later
+                st.tokens, st.pending_h, st.pending_start = tokens, pending_h, pending_start
+            raise
+
+    def _propose_batch(self, sts, histories, ks, samplers, p_min, p_cum, keeps) -> list:
         keeps = keeps or [None] * len(sts)
         gens = [self._drafting(st, h, k, smp, p_min, p_cum, kp)
                 for st, h, k, smp, kp in zip(sts, histories, ks, samplers, keeps)]
