@@ -192,7 +192,7 @@ class MTPState:
     def __init__(self, cache):
         self.cache = cache
         self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
-        self.pending_h: torch.Tensor | None = None  # trunk hidden states not yet fed to the head
+        self._pending: list[torch.Tensor] = []  # trunk hidden states not yet fed to the head, by step
         self.pending_start = 0  # position of pending_h[0]
         self.clear_context(None)
 
@@ -201,6 +201,23 @@ class MTPState:
         self.ctx_seen = 0  # history tokens already scanned for them
         self.ctx_head = None  # lm_head rows of ctx_tokens
         self.draft_ids = vocab  # token id of each draft logit: the vocabulary, then ctx_tokens
+
+    @property
+    def pending_h(self) -> torch.Tensor | None:
+        """The trunk states not yet fed to the head [n, D] (None: none). Kept as the steps' pieces
+        and joined when read: steps that do not draft add theirs without copying the earlier ones."""
+        if not self._pending:
+            return None
+        if len(self._pending) > 1:
+            self._pending = [torch.cat(self._pending)]
+        return self._pending[0]
+
+    @pending_h.setter
+    def pending_h(self, h: torch.Tensor | None) -> None:
+        self._pending = [] if h is None else [h]
+
+    def add_pending(self, h: torch.Tensor) -> None:
+        self._pending.append(h)
 
     def reset(self) -> None:
         self.cache.reset()
@@ -437,10 +454,10 @@ class MTPProposer:
         return ms
 
     def accept(self, st: MTPState, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
-        if st.pending_h is not None:
+        if st._pending:
             # no `propose` consumed the earlier states (another member of a chain drafted this step,
             # or there was no room): keep them, positions pending_start.. continue into these
-            st.pending_h = torch.cat([st.pending_h, target_hidden])
+            st.add_pending(target_hidden)
             return
         st.pending_h = target_hidden  # trunk hidden states at positions p0 .. p0+n
         st.pending_start = st.cache.length
