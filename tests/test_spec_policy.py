@@ -300,7 +300,8 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
             sched.shutdown(1)
     finally:
         set_step_costs(engine, None)
-    assert (3, 6, 9, 12, 15) in calls and calls.count((3, 6, 9, 12, 15)) == 1  # timed once, then reused
+    # the batch's table timed once (then reused), at n and 2 n rows: the rest continues that line
+    assert (3, 6) in calls and calls.count((3, 6)) == 1
     for rs in outs:
         toks = [x.token for x in rs if x.token is not None]
         assert toks == alone.tokens  # lossless whatever was chosen
@@ -323,6 +324,37 @@ def test_batch_costs_arithmetic():
     assert c.rows == [1.0, 1.5, 4.0] and c.step_ms == 2.0
     assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
     assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
+
+
+def test_a_batch_table_is_timed_at_n_and_2n_rows_and_extended(monkeypatch):
+    """A batch of n sequences times its forward at n and 2 n rows only (what every sequence waits
+    for), continues that line to n (k + 1) rows, and prices counts the cache cannot hold at
+    infinity without storing the table."""
+    calls = []
+
+    def fake(engine, seq, counts, reps):
+        calls.append(tuple(counts))
+        return {c: (1.0 + 0.5 * c) * 1e-3 for c in counts}, None
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
+
+    class Seq:
+        class slot:
+            class cache:
+                length, max_len = 10, 100
+        x0 = 1
+    t = StepCosts()
+    base = Costs([1.0] * 5, 0.0, 1.0)
+    c = t.batch_costs(None, Seq, 4, 5, base)
+    assert calls == [(4, 8)]
+    assert t.batch[(0, 4)] == pytest.approx([3e-3, 5e-3, 7e-3, 9e-3, 11e-3])
+    assert c.rows == pytest.approx([1.0, 5 / 3, 7 / 3, 3.0, 11 / 3])
+    t.batch_costs(None, Seq, 4, 5, base)
+    assert calls == [(4, 8)]  # reused
+    Seq.slot.cache.length = 80  # room for 19 more rows: 4 x 5 = 20 does not fit
+    t2 = StepCosts()
+    c = t2.batch_costs(None, Seq, 4, 5, base)
+    assert c.rows[-1] == float("inf") and c.rows[:4] == pytest.approx([1.0, 5 / 3, 7 / 3, 3.0])
+    assert t2.batch == {}  # a short cache's table is not kept
 
 
 def test_observed_steps_move_the_batch_table():

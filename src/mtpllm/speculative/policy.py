@@ -208,8 +208,12 @@ class StepCosts:
         of time is E(k) / (T(n (k + 1)) / T(n) + k d n T(1) / T(n))). A batch that is already
         compute-bound makes drafts dear: at a few sequences the policy drafts less, at many none.
         Row counts the caches cannot hold cost infinity (never chosen). Timed once per model,
-        depth band and batch size, on this sequence's cache, once per row count: every sequence of
-        the batch waits for these forwards, and the steps that follow correct the table."""
+        depth band and batch size, on this sequence's cache, at n and 2 n rows only (every sequence
+        of the batch waits for these forwards: timing every count up to n (k + 1), 72 rows for 8
+        sequences and lookup's 8 drafts, stalled a fresh server's first batch of 8 for ~14 s on a
+        2-core VM); the larger counts continue that line (a batch of several sequences is
+        compute-bound past 2 n rows, where the cost per row stops falling), and the steps that
+        follow correct every point they reach (`observe_step`)."""
         if self.fixed is not None or n_seqs <= 1:
             return base
         cache = seq.slot.cache
@@ -217,13 +221,17 @@ class StepCosts:
         got = self.batch.get((band, n_seqs))
         if got is None or len(got) < n_rows:
             cap = cache.max_len - cache.length - 1
-            counts = [n_seqs * r for r in range(1, n_rows + 1) if n_seqs * r <= cap]
+            counts = [n_seqs * r for r in range(1, min(n_rows, 2) + 1) if n_seqs * r <= cap]
             if not counts or seq.x0 is None:
                 return base
             t, _ = self._time_rows(engine, seq, counts, BATCH_REPS)
-            got = [t.get(n_seqs * r, math.inf) for r in range(1, n_rows + 1)]
+            t1 = t[n_seqs]
+            t2 = t.get(2 * n_seqs, math.inf)
+            slope = max(t2 - t1, 0.0)
+            fits = [n_seqs * r <= cap for r in range(1, n_rows + 1)]
+            got = [(t1 + (r - 1) * slope) if ok else math.inf for r, ok in zip(range(1, n_rows + 1), fits)]
             self.timings += 1
-            if len(counts) == n_rows:  # a cache short of room says nothing of the rows it could not hold
+            if all(fits):  # a cache short of room says nothing of the rows it could not hold
                 self.batch[(band, n_seqs)] = got
         one = max(got[0], 1e-9)
         return Costs([x / one for x in got[:n_rows]], base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
