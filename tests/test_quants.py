@@ -452,6 +452,25 @@ def test_repacked_kquant_kernel_matches_reference(qtype, m, k):
     assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
+def _tilings_agree(set_choice, values, ms, seed, rows_checked=None):
+    """For each 8-row K-quant layout, short and long K and each row count in `ms` (x with an
+    outlier): every value of a kernel choice (`set_choice(v)`) gives bit-identical products, and
+    the rows `rows_checked(m)` (default all) equal their one-row products."""
+    for t8 in (kernels.Q4_KX8, kernels.Q6_KX8):
+        for k in (512, 2560):
+            w = _x8(24, k, seed, t8)
+            for m in ms:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                x[:, 9] *= 30
+                ys = []
+                for v in values:
+                    set_choice(v)
+                    ys.append(kernels.gguf_linear(x, [w], [t8]))
+                assert all(torch.equal(ys[0], y) for y in ys[1:]), (t8, k, m)
+                for i in (rows_checked(m) if rows_checked else range(m)):
+                    assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [t8]), ys[0][i:i + 1])
+
+
 @needs_kernel
 def test_wide_verification_tiles_give_the_same_bits():
     """The VNNI build's tiles of 4 or 8 rows of x over Q4_Kx8 / Q6_Kx8 (the `tile_rows` choice:
@@ -463,19 +482,7 @@ def test_wide_verification_tiles_give_the_same_bits():
         kernels.tuning("tile_rows", 6)
     old = kernels.tuning("tile_rows")
     try:
-        for t8 in (kernels.Q4_KX8, kernels.Q6_KX8):
-            for k in (512, 2560):
-                w = _x8(24, k, 41, t8)
-                for m in (5, 7, 8, 9, 12, 16, 19):
-                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                    x[:, 9] *= 30
-                    ys = []
-                    for rows in (4, 8):
-                        kernels.tuning("tile_rows", rows)
-                        ys.append(kernels.gguf_linear(x, [w], [t8]))
-                    assert torch.equal(ys[0], ys[1]), (t8, k, m)
-                    for i in range(m):
-                        assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [t8]), ys[1][i:i + 1])
+        _tilings_agree(lambda v: kernels.tuning("tile_rows", v), (4, 8), (5, 7, 8, 9, 12, 16, 19), 41)
     finally:
         kernels.tuning("tile_rows", old)
 
@@ -492,20 +499,11 @@ def test_avx2_verification_tiles_give_the_same_bits():
         return
     with pytest.raises(RuntimeError, match="mask"):
         kernels.x8_tile4(4)
+
+    def set_mask(mask):
+        assert kernels.x8_tile4(mask) in (0, 1, 2, 3)
     try:
-        for t8 in (kernels.Q4_KX8, kernels.Q6_KX8):
-            for k in (512, 2560):
-                w = _x8(24, k, 40, t8)
-                for m in (2, 3, 4, 5, 6, 7, 33):
-                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                    x[:, 9] *= 30
-                    ys = []
-                    for mask in (0, 1, 2, 3):
-                        assert kernels.x8_tile4(mask) in (0, 1, 2, 3)
-                        ys.append(kernels.gguf_linear(x, [w], [t8]))
-                    assert all(torch.equal(ys[0], y) for y in ys[1:]), (t8, k, m)
-                    for i in (0, m - 1):
-                        assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w], [t8]), ys[0][i:i + 1])
+        _tilings_agree(set_mask, (0, 1, 2, 3), (2, 3, 4, 5, 6, 7, 33), 40, lambda m: (0, m - 1))
     finally:
         kernels.x8_tile4(old)
 

@@ -73,6 +73,15 @@ def eng_q(tiny_dir):
                        n_ctx=192)
 
 
+@torch.inference_mode()
+def _ready(prop, model, ids):
+    """An MTP state that has taken the prompt `ids` (the trunk's hidden states through the head)."""
+    hidden = model(torch.tensor(ids), model.make_cache(64))
+    st = prop.new_state()
+    prop.begin(st, ids, hidden, 0)
+    return st
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_drafting_together_equals_drafting_alone(eng_q, temperature):
     """The MTP head drafts for several sequences in one pass per draft position (its block's weights
@@ -86,14 +95,7 @@ def test_drafting_together_equals_drafting_alone(eng_q, temperature):
     ks = [3, 2, 3]
     params = SamplingParams(temperature=temperature, seed=7)
 
-    @torch.inference_mode()
-    def ready(t):
-        hidden = m(torch.tensor(t), m.make_cache(64))
-        st = prop.new_state()
-        prop.begin(st, t, hidden, 0)
-        return st
-
-    alone, together = [ready(t) for t in ids], [ready(t) for t in ids]
+    alone, together = [_ready(prop, m, t) for t in ids], [_ready(prop, m, t) for t in ids]
     hists = [t + [t[0]] for t in ids]
     smp = [Sampler(params) for _ in ids]
     want = [prop.propose(st, h, k, s) for st, h, k, s in zip(alone, hists, ks, smp)]
@@ -127,15 +129,8 @@ def test_a_failed_batch_of_drafts_leaves_every_state_as_it_was(eng_q):
     ids = [eng.tokenizer.encode(p) for p in PROMPTS[:3]]
     params = SamplingParams(temperature=0)
 
-    @torch.inference_mode()
-    def ready(t):
-        hidden = m(torch.tensor(t), m.make_cache(64))
-        st = prop.new_state()
-        prop.begin(st, t, hidden, 0)
-        return st
-
     hists = [t + [t[0]] for t in ids]
-    fresh, tried = [ready(t) for t in ids], [ready(t) for t in ids]
+    fresh, tried = [_ready(prop, m, t) for t in ids], [_ready(prop, m, t) for t in ids]
     before = [(st.cache.length, list(st.tokens), st.pending_h.clone(), st.pending_start) for st in tried]
 
     def boom(i, p):

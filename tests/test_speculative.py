@@ -128,6 +128,34 @@ def test_head_window_limits_the_heads_attention(target, tiny_dir):
         assert target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=spec).tokens == ref.tokens
 
 
+def test_ngram_index_drafts_what_a_full_search_drafts():
+    """n-gram lookup keeps an index that grows with the history (no scan of the whole history per
+    step): on random histories over a small alphabet (many repeats, overlapping matches), grown a
+    few tokens at a time, its drafts are exactly those of a search over every earlier window, the
+    latest match of the longest n first; a new history (another request) rebuilds the index."""
+    import random
+    from mtpllm.speculative.ngram import NgramProposer
+
+    def search(h, k, lo, hi):
+        L = len(h)
+        for n in range(min(hi, L - 1), lo - 1, -1):
+            starts = [j for j in range(0, L - n) if h[j:j + n] == h[L - n:]]
+            if starts and h[starts[-1] + n:starts[-1] + n + k]:
+                return h[starts[-1] + n:starts[-1] + n + k]
+        return []
+    rng = random.Random(0)
+    for trial in range(120):
+        lo, hi = rng.choice([(1, 4), (3, 8), (2, 2)])
+        p = NgramProposer(lo, hi)
+        st = p.new_state()
+        for _ in range(2):  # a second request on the same state
+            h = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            for step in range(40):
+                k = rng.randrange(1, 9)
+                assert p.propose(st, h, k)[0] == search(h, k, lo, hi), (h, k)
+                h.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
 def test_mtp_head_with_matching_weights_is_accepted(tiny_dir):
     """A head whose block copies trunk data is still only a draft; but a tiny model with an MTP
     block of its own gets non-zero acceptance on repetitive text only by chance. Check instead
