@@ -355,6 +355,10 @@ def test_a_batch_table_is_timed_at_n_and_2n_rows_and_extended(monkeypatch):
     c = t2.batch_costs(None, Seq, 4, 5, base)
     assert c.rows[-1] == float("inf") and c.rows[:4] == pytest.approx([1.0, 5 / 3, 7 / 3, 3.0])
     assert t2.batch == {}  # a short cache's table is not kept
+    Seq.slot.cache.length = 93  # room for 6 more rows: n = 4 fits, 2 n does not
+    for n_rows in (1, 3):
+        c = StepCosts().batch_costs(None, Seq, 4, n_rows, base)
+        assert c.rows[0] == 1.0 and c.step_ms == pytest.approx(3.0) and all(r == float("inf") for r in c.rows[1:])
 
 
 def test_observed_steps_move_the_batch_table():

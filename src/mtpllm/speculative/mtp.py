@@ -216,6 +216,11 @@ class MTPState:
     def pending_h(self, h: torch.Tensor | None) -> None:
         self._pending = [] if h is None else [h]
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether trunk states wait for the head (without joining them, as `pending_h` does)."""
+        return bool(self._pending)
+
     def add_pending(self, h: torch.Tensor) -> None:
         self._pending.append(h)
 
@@ -454,7 +459,7 @@ class MTPProposer:
         return ms
 
     def accept(self, st: MTPState, history: list[int], n_accepted: int, target_hidden: torch.Tensor) -> None:
-        if st._pending:
+        if st.has_pending:
             # no `propose` consumed the earlier states (another member of a chain drafted this step,
             # or there was no room): keep them, positions pending_start.. continue into these
             st.add_pending(target_hidden)

@@ -229,7 +229,9 @@ class StepCosts:
             t2 = t.get(2 * n_seqs, math.inf)
             slope = max(t2 - t1, 0.0)
             fits = [n_seqs * r <= cap for r in range(1, n_rows + 1)]
-            got = [(t1 + (r - 1) * slope) if ok else math.inf for r, ok in zip(range(1, n_rows + 1), fits)]
+            # r = 1 is the timed point itself (2 n rows may not fit: then slope is infinite)
+            got = [t1 if r == 1 else (t1 + (r - 1) * slope) if ok else math.inf
+                   for r, ok in zip(range(1, n_rows + 1), fits)]
             self.timings += 1
             if all(fits):  # a cache short of room says nothing of the rows it could not hold
                 self.batch[(band, n_seqs)] = got
