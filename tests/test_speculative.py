@@ -480,24 +480,22 @@ def test_cumulative_p_min_cuts_on_the_product_of_draft_probabilities(target):
     assert any(b < a for a, b in zip(n_tok, n_cum))
 
 
-def test_mtp_prompt_pass_runs_in_chunks(target):
-    """The head's pass over a prompt runs `chunk` positions per forward (a long prompt at once would
-    build a [T, L] attention score matrix per head); its cache then holds what one pass writes."""
+def test_mtp_prompt_pass_runs_in_chunks(target, monkeypatch):
+    """The head's pass over a prompt writes its cache entries `chunk` positions per call (bounding
+    the activations of a long prompt); its cache then holds what one pass writes."""
     ids = target.tokenizer.encode(PROMPT)
     prop = SpecConfig("mtp", 4).build(target).proposer
     hidden = target.model(torch.tensor(ids), target.model.make_cache(64))
     one, chunked = prop.new_state(), prop.new_state()
     prop.begin(one, ids, hidden, 0, chunk=1000)
     head, sizes = prop.head, []
+    fill = head.fill
 
-    def recording(x, h, cache):  # the real head, its row counts noted
+    def recording(x, h, cache):  # the real pass, its row counts noted
         sizes.append(x.shape[0])
-        return head(x, h, cache)
-    prop.head = recording
-    try:
-        prop.begin(chunked, ids, hidden, 0, chunk=4)
-    finally:
-        prop.head = head
+        return fill(x, h, cache)
+    monkeypatch.setattr(head, "fill", recording)
+    prop.begin(chunked, ids, hidden, 0, chunk=4)
     n = len(ids) - 1
     assert sizes == [4] * (n // 4) + ([n % 4] if n % 4 else [])
     assert chunked.cache.length == one.cache.length == n and chunked.tokens == one.tokens == ids[1:]
@@ -693,3 +691,30 @@ def test_logprobs_are_the_targets_with_and_without_speculation(target, draft_pat
     assert all(r.logprob is None for r in target.stream(ids, SamplingParams(temperature=0, max_tokens=4)))
     with pytest.raises(MtpllmError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("T", [5, 40])
+def test_head_fill_writes_the_entries_its_forward_writes(tiny_dir, arch, T):
+    """`MTPHead.fill` (prompt rows and the catch-up rows before the last, whose output nobody reads)
+    writes the cache entries the head's full forward writes, with the projections only: the next
+    row's output then matches. T = 40 rows go through the PyTorch modules on both sides (the same
+    bits); T = 5 rows run the C++ block in `forward` (its own rotary and sums: float32 rounding)."""
+    eng = Engine.load(str(make_tiny(tiny_dir / f"fill-{arch}.gguf", arch, seed=7, nextn=1)), n_ctx=128)
+    prop = MTPProposer.for_engine(eng)
+    head, cfg = prop.head, eng.model.cfg
+    g = torch.Generator().manual_seed(3)
+    emb = prop.embed(torch.randint(0, cfg.vocab_size, (T + 1,), generator=g))
+    hid = torch.randn(T + 1, cfg.d_model, generator=g)
+    full, filled = head.make_cache(cfg, 64), head.make_cache(cfg, 64)
+    with torch.inference_mode():
+        head(emb[:T], hid[:T], full)
+        head.fill(emb[:T], hid[:T], filled)
+        assert filled.length == full.length == T
+        tol = dict(rtol=0, atol=0) if T >= 32 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(filled.k[:, :, :T], full.k[:, :, :T], **tol)
+        torch.testing.assert_close(filled.v[:, :, :T], full.v[:, :, :T], **tol)
+        assert filled.k[:, :, :T].abs().max() > 0.1  # entries were written
+        torch.testing.assert_close(head(emb[T:], hid[T:], filled), head(emb[T:], hid[T:], full), rtol=1e-5, atol=1e-5)
+        with pytest.raises(MtpllmError, match="exceed"):
+            head.fill(emb, hid, head.make_cache(cfg, T))

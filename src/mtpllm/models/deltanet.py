@@ -184,6 +184,9 @@ class GatedAttention(Attention):
     interleaved per head, [H, 2 hd]); the attention output is multiplied by sigmoid(gate). QK norms
     and partial rotary as configured on `Attention`."""
 
+    def store(self, x: torch.Tensor, positions: torch.Tensor, cache, layer: int) -> None:
+        self.store_kv(self.qkv(x)[:, 2 * self.n_heads * self.hd:], positions, _kv(cache), layer)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, layer: int) -> torch.Tensor:
         T = x.shape[0]
         H, hd, kv_sz = self.n_heads, self.hd, self.n_kv * self.hd
@@ -238,6 +241,12 @@ class HybridBlock(nn.Module):
     @property
     def attn(self):  # the attention module of a full-attention block (MTP code reads its rotary)
         return self.mixer
+
+    def store(self, x: torch.Tensor, positions: torch.Tensor, cache, layer: int) -> None:
+        """The KV entries of a full-attention block's rows, without its output (see `Block.store`)."""
+        if self.recurrent:
+            raise MtpllmError("a recurrent block has no key/value entries to store alone")
+        self.mixer.store(self.attn_norm(x), positions, cache, layer)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache, layer: int) -> torch.Tensor:
         if type(cache) is KVCache and not self.recurrent:  # a block with a KV cache of its own (MTP)

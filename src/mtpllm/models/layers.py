@@ -142,6 +142,20 @@ class Attention(nn.Module):
             o = self._mix(qkv, positions, kv, layer)
         return self.out(o)
 
+    def store(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> None:
+        """The cache entries of rows x [T, D] (normed) at `positions`, without their attention: for
+        rows whose output nobody reads (an MTP head's catch-up). Only the projections run."""
+        self.store_kv(self.qkv(x)[:, self.n_heads * self.hd:], positions, kv, layer)
+
+    def store_kv(self, kv_rows: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> None:
+        """Key norm, rotary and cache write of the key/value projections kv_rows [T, 2 KV hd]."""
+        T, kv_sz = kv_rows.shape[0], self.n_kv * self.hd
+        k = kv_rows[:, :kv_sz].view(T, self.n_kv, self.hd)
+        v = kv_rows[:, kv_sz:2 * kv_sz].view(T, self.n_kv, self.hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        kv.update(layer, self.rotary(k, positions), v, positions)
+
     def _mix(self, qkv: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         """Rotary, cache write and attention for qkv [T, ...] at `positions` -> [T, H * hd]."""
         T = qkv.shape[0]
@@ -212,6 +226,10 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
         self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm
         self._native = None  # this block alone as a DecodeStack; False where it does not apply
+
+    def store(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> None:
+        """The cache entries `forward` writes for rows x, without computing the block's output."""
+        self.attn.store(self.attn_norm(x), positions, kv, layer)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         if native_rows(x, kv):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import MtpllmError
 from ..runtime.kv_cache import KVCache
 from .layers import Block, RMSNorm
 
@@ -51,6 +52,19 @@ class MTPHead(nn.Module):
         x = self.block(x, positions, cache, 0)
         cache.advance(T)
         return self.out_norm(x)
+
+    def fill(self, emb: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> None:
+        """The cache entries of positions [cache.length, +T) without the head's output: a block's
+        keys and values at a position depend on its own input only, so rows whose output is not
+        read (a prompt, the catch-up before the last position) need the input projection and the
+        key/value projections, not attention, MLP or norm (~1/7 of the 1.5B head's block)."""
+        T = emb.shape[0]
+        positions = cache.positions[cache.length:cache.length + T]
+        if positions.shape[0] != T:
+            raise MtpllmError(f"MTP head: {cache.length} + {T} positions exceed its cache of {cache.max_len}")
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+        self.block.store(x, positions, cache, 0)
+        cache.advance(T)
 
     def forward_batch(self, embs: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list) -> list[torch.Tensor]:
         """`forward` for several sequences: embs[s], hiddens[s] [T_s, D] at positions

@@ -321,9 +321,9 @@ class MTPProposer:
         """The prompt's hidden states (positions start .. len(prompt)-1) go through the head now, as
         part of prompt processing: then a later request that shares this prefix finds it in the head's
         cache too, even when this one ends before any drafting. The last position waits for the first
-        generated token (its entry needs t_{i+1}). At most `chunk` positions per forward: the head's
-        attention over a long prompt at once would build a [T, L] score matrix per head. (One block:
-        cheap beside the trunk's prefill, so it runs in one scheduler step.)"""
+        generated token (its entry needs t_{i+1}). Only their cache entries are computed
+        (`MTPHead.fill`: no attention, no MLP), `chunk` positions at a time. (Cheap beside the
+        trunk's prefill, so it runs in one scheduler step.)"""
         st.cache.trim(st.cache.length - start)
         st.clear_context(self.vocab)
         self.update_context(st, prompt)
@@ -331,20 +331,21 @@ class MTPProposer:
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             toks = torch.tensor(prompt[start + 1 + a:start + 1 + b], dtype=torch.long, device=self.device)
-            self.head(self.embed(toks), prompt_hidden[a:b], st.cache)
+            self.head.fill(self.embed(toks), prompt_hidden[a:b], st.cache)
         st.tokens = list(prompt[1:start + 1 + n])
         st.pending_h = prompt_hidden[n:]  # positions start+n .. len(prompt)-1
         st.pending_start = start + n
 
     # requests a drafting generator (`_drafting`) yields for the head's weights
-    HEAD, LOGITS = "head", "logits"
+    HEAD, LOGITS, FILL = "head", "logits", "fill"
 
     def _drafting(self, st: MTPState, history: list[int], k: int, sampler, p_min: float = 0.0,
                   p_cum: float = 0.0, keep=None):
         """One sequence's drafting as a generator: it yields (HEAD, token ids, hidden [T, D]) for the
-        head's block over T new positions of `st.cache` and (LOGITS, g [1, D]) for the draft logits
-        of an output state, is sent their results, and returns (drafts, their q). The driver serves
-        one sequence (`propose`) or several at once (`propose_batch`)."""
+        head's block over T new positions of `st.cache`, (FILL, token ids, hidden) for their cache
+        entries only, and (LOGITS, g [1, D]) for the draft logits of an output state, is sent their
+        results, and returns (drafts, their q). The driver serves one sequence (`propose`) or several
+        at once (`propose_batch`)."""
         p0 = len(history) - 1  # position of x0 (not yet in the trunk's cache)
         cache = st.cache
         c = cache.length
@@ -352,12 +353,15 @@ class MTPProposer:
         k = min(k, cache.max_len - p0)
         if k <= 0 or st.pending_h is None:
             return [], []
-        # catch-up: true entries for positions c..p0-1 with (t_{i+1}, h_i)
-        g = yield (self.HEAD, history[c + 1:p0 + 1], st.pending_h)
+        # catch-up: true entries for positions c..p0-1 with (t_{i+1}, h_i); only the last one's
+        # output is read, so the others write their cache entries alone
+        pending = st.pending_h
+        if p0 - c > 1:
+            yield (self.FILL, history[c + 1:p0], pending[:-1])
+        g_last = yield (self.HEAD, history[p0:p0 + 1], pending[-1:])
         st.tokens = list(history[1:p0 + 1])
         st.pending_h = None
         self.update_context(st, history)
-        g_last = g[-1:]
 
         def next_draft(hist, cut):
             logits = (yield (self.LOGITS, g_last))[0]
@@ -424,6 +428,10 @@ class MTPProposer:
                 out[i] = stop.value
         while todo:
             results = {}
+            for i in [i for i, r in todo.items() if r[0] == self.FILL]:
+                self.head.fill(self.embed(torch.tensor(todo[i][1], dtype=torch.long, device=self.device)),
+                               todo[i][2], sts[i].cache)
+                results[i] = None
             heads = [i for i, r in todo.items() if r[0] == self.HEAD]
             if heads:
                 embs = [self.embed(torch.tensor(todo[i][1], dtype=torch.long, device=self.device)) for i in heads]
