@@ -248,13 +248,15 @@ def test_cached_attention_rows_alone_or_together(H, KV, D, window):
     decoding), at contexts that are and are not multiples of the chunk, head sizes with and without
     a 32-dim tail; and it is attention (float64 reference, float32 rounding), over the last
     `window` keys of each row when a window is set (the MTP head's: shorter and longer than the
-    context, not a multiple of the blocks of 8 keys)."""
+    context, not a multiple of the blocks of 8 keys). 12 rows of 14 heads are more query vectors than
+    one task takes (64), so a row's queries are split between tasks; 300 positions span several
+    chunks of the online softmax."""
     from mtpllm.runtime import kernels
     if not kernels.available():
         pytest.skip(kernels.status())
     g = torch.Generator().manual_seed(D)
-    for start in (0, 37, 300):
-        T, max_len = 5, start + 8
+    for start, T in ((0, 5), (37, 5), (300, 5), (300, 12)):
+        max_len = start + T + 3
         kc, vc = torch.randn(KV, max_len, D, generator=g), torch.randn(KV, max_len, D, generator=g)
         qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
         ang = torch.randn(max_len, D // 2, generator=g)

@@ -151,6 +151,188 @@ inline void rope(float* v, const float* c, const float* s, int64_t rot, bool neo
   }
 }
 
+// Lanes of query vectors for the query-parallel attention below: 16 on 512-bit registers (the
+// VNNI build), 8 on 256-bit ones. Every operation is lane-wise, so a query's results do not depend
+// on the lane it occupies or on the other queries beside it.
+#ifdef __AVX512F__
+constexpr int64_t QW = 16;
+typedef __m512 vq;
+inline vq vq_zero() { return _mm512_setzero_ps(); }
+inline vq vq_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void vq_store(float* p, vq v) { _mm512_storeu_ps(p, v); }
+inline vq vq_set1(float x) { return _mm512_set1_ps(x); }
+inline vq vq_fma(vq a, vq b, vq c) { return _mm512_fmadd_ps(a, b, c); }
+inline vq vq_max(vq a, vq b) { return _mm512_max_ps(a, b); }
+inline vq vq_add(vq a, vq b) { return _mm512_add_ps(a, b); }
+inline vq vq_mul(vq a, vq b) { return _mm512_mul_ps(a, b); }
+// exp256's arithmetic on 16 lanes (the same operations and constants, lane by lane), and 0 where
+// the score is -inf (a key outside the query's range)
+inline vq vq_exp_masked(vq p, vq mx) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(p, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  __m512 x = _mm512_max_ps(_mm512_sub_ps(p, mx), _mm512_set1_ps(-87.3f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+#else
+constexpr int64_t QW = 8;
+typedef __m256 vq;
+inline vq vq_zero() { return _mm256_setzero_ps(); }
+inline vq vq_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void vq_store(float* p, vq v) { _mm256_storeu_ps(p, v); }
+inline vq vq_set1(float x) { return _mm256_set1_ps(x); }
+inline vq vq_fma(vq a, vq b, vq c) { return _mm256_fmadd_ps(a, b, c); }
+inline vq vq_max(vq a, vq b) { return _mm256_max_ps(a, b); }
+inline vq vq_add(vq a, vq b) { return _mm256_add_ps(a, b); }
+inline vq vq_mul(vq a, vq b) { return _mm256_mul_ps(a, b); }
+inline vq vq_exp_masked(vq p, vq mx) {
+  const __m256 keep = _mm256_cmp_ps(p, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  return _mm256_and_ps(keep, exp256(_mm256_sub_ps(p, mx)));
+}
+#endif
+
+// Attention of n (<= 64) query vectors that share one kv head, QW queries per vector lane-wise,
+// in one sweep over the keys and values in chunks of CH positions aligned to multiples of CH (each
+// chunk read from memory once for all n queries: deep in a context the cache is streamed once per
+// kv head whatever the number of verification rows, where a query at a time streamed it once per
+// query, and the scores never leave L1). Per chunk: the scores of 8 keys at a time (each score one
+// chain of multiply-adds over the head dimension, in order), then the softmax online: the running
+// max m, the weights exp(s - m), and the sum and the weighted values rescaled by exp(m_old - m)
+// when m grows (exactly 1 when it does not). A query sees keys [lo[i], end[i]); keys of a chunk
+// outside its range get score -inf and weight exactly 0, and a chunk with none of its keys leaves
+// its state unchanged, so its output is bit for bit the same whatever queries share its task: a
+// row decoded alone and the same row verified with drafts agree.
+// scratch: nsb * QW * (2 D + CH) floats, nsb = ceil(n / QW).
+constexpr int64_t ACH = 64;
+void attend_queries(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
+                    const float* K, const float* V, int64_t D, float sc, float* scratch) {
+  const int64_t nsb = (n + QW - 1) / QW;
+  float* qT = scratch;                   // [nsb][D][QW] queries, transposed
+  float* acc = qT + nsb * D * QW;        // [nsb][QW][D] weighted sums of values
+  float* sb = acc + nsb * QW * D;        // [ACH][QW] one chunk's scores, then weights
+  int64_t lmin[8], lmax[8];              // per sub-block (n <= 8 QW)
+  vq mrun[8], lrun[8];                   // running max and sum per lane
+  for (int64_t b = 0; b < nsb; ++b) {
+    const int64_t m = std::min(QW, n - b * QW);
+    lmin[b] = INT64_MAX;
+    lmax[b] = 0;
+    float* t = qT + b * D * QW;
+    for (int64_t i = 0; i < QW; ++i) {
+      const float* q = i < m ? qv[b * QW + i] : nullptr;
+      for (int64_t d = 0; d < D; ++d) t[d * QW + i] = q ? q[d] : 0.0f;
+      if (q) lmin[b] = std::min(lmin[b], lo[b * QW + i]), lmax[b] = std::max(lmax[b], end[b * QW + i]);
+    }
+    mrun[b] = vq_set1(-INFINITY);
+    lrun[b] = vq_zero();
+  }
+  std::memset(acc, 0, nsb * QW * D * sizeof(float));
+  int64_t Lmin = INT64_MAX, Lmax = 0;
+  for (int64_t b = 0; b < nsb; ++b) Lmin = std::min(Lmin, lmin[b]), Lmax = std::max(Lmax, lmax[b]);
+  const vq vsc = vq_set1(sc);
+  for (int64_t c = (Lmin / ACH) * ACH; c < Lmax; c += ACH)
+    for (int64_t b = 0; b < nsb; ++b) {
+      const int64_t a = std::max(c, lmin[b]), z = std::min(c + ACH, lmax[b]);
+      if (a >= z) continue;
+      const int64_t m = std::min(QW, n - b * QW);
+      const float* t = qT + b * D * QW;
+      // scores of keys a .. z - 1 at rows j - a of sb
+      int64_t j = a;
+      for (; j + 8 <= z; j += 8) {
+        vq s8[8];
+        for (int k = 0; k < 8; ++k) s8[k] = vq_zero();
+        const float* kr = K + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const vq qd = vq_load(t + d * QW);
+          for (int k = 0; k < 8; ++k) s8[k] = vq_fma(vq_set1(kr[k * D + d]), qd, s8[k]);
+        }
+        for (int k = 0; k < 8; ++k) vq_store(sb + (j + k - a) * QW, vq_mul(s8[k], vsc));
+      }
+      for (; j < z; ++j) {
+        vq s0 = vq_zero();
+        const float* kr = K + j * D;
+        for (int64_t d = 0; d < D; ++d) s0 = vq_fma(vq_set1(kr[d]), vq_load(t + d * QW), s0);
+        vq_store(sb + (j - a) * QW, vq_mul(s0, vsc));
+      }
+      for (int64_t i = 0; i < m; ++i) {  // keys outside query i's own range
+        const int64_t qlo = lo[b * QW + i], qend = end[b * QW + i];
+        for (int64_t jj = a; jj < std::min(z, qlo); ++jj) sb[(jj - a) * QW + i] = -INFINITY;
+        for (int64_t jj = std::max(a, qend); jj < z; ++jj) sb[(jj - a) * QW + i] = -INFINITY;
+      }
+      const int64_t L = z - a;
+      vq cm = vq_set1(-INFINITY);
+      for (int64_t r = 0; r < L; ++r) cm = vq_max(cm, vq_load(sb + r * QW));
+      const vq mnew = vq_max(mrun[b], cm);
+      const vq scale = vq_exp_masked(mrun[b], mnew);  // exp(m_old - m); 0 where nothing was seen yet
+      mrun[b] = mnew;
+      vq l = vq_mul(lrun[b], scale);
+      for (int64_t r = 0; r < L; ++r) {
+        const vq e = vq_exp_masked(vq_load(sb + r * QW), mnew);
+        vq_store(sb + r * QW, e);
+        l = vq_add(l, e);
+      }
+      lrun[b] = l;
+      float scl[QW];
+      vq_store(scl, scale);
+      // weighted values: each query's sums rescaled, then its multiply-adds in key order
+      for (int64_t d0 = 0; d0 < D; d0 += 4 * QW) {
+        const int64_t nv = std::min<int64_t>(4, (D - d0) / QW);
+        for (int64_t i0 = 0; i0 < m; i0 += 4) {
+          const int64_t nq = std::min<int64_t>(4, m - i0);
+          vq s[4][4];
+          for (int64_t i = 0; i < nq; ++i) {
+            const vq si = vq_set1(scl[i0 + i]);
+            for (int64_t v = 0; v < nv; ++v) s[i][v] = vq_mul(vq_load(acc + (b * QW + i0 + i) * D + d0 + v * QW), si);
+          }
+          if (nv == 4 && nq == 4) {
+            for (int64_t r = 0; r < L; ++r) {
+              const float* vr = V + (a + r) * D + d0;
+              const vq v0 = vq_load(vr), v1 = vq_load(vr + QW), v2 = vq_load(vr + 2 * QW), v3 = vq_load(vr + 3 * QW);
+              const float* wr = sb + r * QW + i0;
+              for (int i = 0; i < 4; ++i) {
+                const vq wi = vq_set1(wr[i]);
+                s[i][0] = vq_fma(wi, v0, s[i][0]);
+                s[i][1] = vq_fma(wi, v1, s[i][1]);
+                s[i][2] = vq_fma(wi, v2, s[i][2]);
+                s[i][3] = vq_fma(wi, v3, s[i][3]);
+              }
+            }
+          } else {
+            for (int64_t r = 0; r < L; ++r) {
+              const float* vr = V + (a + r) * D + d0;
+              const float* wr = sb + r * QW + i0;
+              for (int64_t i = 0; i < nq; ++i) {
+                const vq wi = vq_set1(wr[i]);
+                for (int64_t v = 0; v < nv; ++v) s[i][v] = vq_fma(wi, vq_load(vr + v * QW), s[i][v]);
+              }
+            }
+          }
+          for (int64_t i = 0; i < nq; ++i)
+            for (int64_t v = 0; v < nv; ++v) vq_store(acc + (b * QW + i0 + i) * D + d0 + v * QW, s[i][v]);
+        }
+      }
+    }
+  for (int64_t b = 0; b < nsb; ++b) {
+    float sums[QW];
+    vq_store(sums, lrun[b]);
+    for (int64_t i = 0; i < std::min(QW, n - b * QW); ++i) {
+      const float* ai = acc + (b * QW + i) * D;
+      float* o = ov[b * QW + i];
+      const vq vi = vq_set1(1.0f / sums[i]);
+      for (int64_t d = 0; d < D; d += QW) vq_store(o + d, vq_mul(vq_load(ai + d), vi));
+    }
+  }
+}
+
 at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                          const at::Tensor& vc, int64_t start, int64_t n_heads, int64_t n_kv, int64_t head_dim,
                          int64_t rot_dim, bool neox, double scale, const c10::optional<at::Tensor>& q_norm,
@@ -195,12 +377,17 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
     }
   }
   // 2. attention. The query vectors (row, head) that share a kv head are taken QCH at a time by one
-  // task, which sweeps the keys and values in chunks of CH positions: a chunk is read from L2 once
-  // and serves all of the task's queries from L1 (per query vector and per (row, head), the keys and
-  // values were streamed from L2 anew, 2 x 150 KB per head at 300 positions for the 1.5B, and that
-  // stream bounded the kernel). Each query's arithmetic is unchanged (the same blocks of 8 keys, the
-  // same order of multiply-adds per output element, its accumulators kept in memory between chunks),
-  // so a row's output is the same bit for bit whether it is decoded alone or verified with others.
+  // task, which sweeps the keys and values in chunks of CH positions: a chunk is read from memory
+  // once and serves all of the task's queries from L1 (per query vector and per (row, head), the
+  // keys and values were streamed anew, 2 x 150 KB per head at 300 positions for the 1.5B, and that
+  // stream bounded the kernel). QCH covers every query of a kv head's group where the threads do not
+  // need more tasks than kv heads: deep in a long context the keys and values (16 MB per kv head
+  // and layer at 32K positions for the 0.5B) come from DRAM, and a verification block of k + 1 rows
+  // then reads them once, as one decoded row does, instead of once per 8 query vectors (at 32K, 2
+  // rows of the 0.5B cost ~1.7 one-row steps). Each query's arithmetic is unchanged (the same blocks
+  // of 8 keys, the same order of multiply-adds per output element, its accumulators kept in memory
+  // between chunks), so a row's output is the same bit for bit whether it is decoded alone or
+  // verified with others, whatever the grouping.
   // With a window each query sees its last `window` keys only: its key range starts at lo (its own
   // position's), and its blocks of 8 and chunks count from there, so a row's output still depends on
   // its position alone.
@@ -208,24 +395,50 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   float* op = out.data_ptr<float>();
   const int64_t group = H / KV;
   const float sc = static_cast<float>(scale);
-  constexpr int64_t QCH = 8, CH = 32;  // CH: a multiple of 8, so chunks split no block of 8 keys
-  const int64_t nq = T * group, per = (nq + QCH - 1) / QCH;
+  constexpr int64_t QMIN = 8, QMAX = 64, CH = 32;  // CH: a multiple of 8, so chunks split no block of 8 keys
+  const int64_t nq = T * group;
+  // tasks per kv head: enough for every thread, each of at least QMIN and at most QMAX queries
+  const int64_t want = (at::get_num_threads() + KV - 1) / KV;
+  const int64_t QCH = std::min(QMAX, std::max(QMIN, (nq + want - 1) / want));
+  const int64_t per = (nq + QCH - 1) / QCH;
   // tasks of at least ~64K multiply-adds each: short contexts run on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, std::min(nq, QCH) * (start + 1) * D));
   const int64_t P = start + T;  // the longest row's key count
+  if (D % QW == 0) {  // the query-parallel kernel (attend_queries)
+    at::parallel_for(0, KV * per, grain, [&](int64_t i0, int64_t i1) {
+      const int64_t nsb = (QCH + QW - 1) / QW;
+      std::vector<float> scratch(nsb * QW * (2 * D + ACH));
+      const float* qv[QMAX];
+      float* ov[QMAX];
+      int64_t lo[QMAX], end[QMAX];
+      for (int64_t task = i0; task < i1; ++task) {
+        const int64_t g = task / per, q0 = (task % per) * QCH, n = std::min(QCH, nq - q0);
+        for (int64_t i = 0; i < n; ++i) {  // query q0 + i: row t, head h of this kv head's group
+          const int64_t t = (q0 + i) / group, h = g * group + (q0 + i) % group;
+          end[i] = start + t + 1;
+          lo[i] = window > 0 ? std::max<int64_t>(0, end[i] - window) : 0;
+          qv[i] = wp + t * row + h * D;
+          ov[i] = op + t * H * D + h * D;
+        }
+        attend_queries(n, qv, ov, lo, end, kp + g * max_len * D, vp + g * max_len * D, D, sc, scratch.data());
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, KV * per, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> pbuf(QCH * P), acc(QCH * D);
+    const float* qv[QMAX];
+    const float* Kv[QMAX];  // the query's first key and value
+    const float* Vv[QMAX];
+    float* pv[QMAX];
+    float* ov[QMAX];
+    int64_t Lv[QMAX];
+    float inv[QMAX];
     for (int64_t task = i0; task < i1; ++task) {
       const int64_t g = task / per, q0 = (task % per) * QCH, n = std::min(QCH, nq - q0);
       const float* K = kp + g * max_len * D;
       const float* V = vp + g * max_len * D;
-      const float* qv[QCH];
-      const float* Kv[QCH];  // the query's first key and value
-      const float* Vv[QCH];
-      float* pv[QCH];
-      float* ov[QCH];
-      int64_t Lv[QCH], Lmax = 0;
-      float inv[QCH];
+      int64_t Lmax = 0;
       for (int64_t i = 0; i < n; ++i) {  // query q0 + i: row t, head h of this kv head's group
         const int64_t t = (q0 + i) / group, h = g * group + (q0 + i) % group;
         const int64_t end = start + t + 1, lo = window > 0 ? std::max<int64_t>(0, end - window) : 0;
