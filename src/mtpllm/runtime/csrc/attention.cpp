@@ -151,54 +151,58 @@ inline void rope(float* v, const float* c, const float* s, int64_t rot, bool neo
   }
 }
 
-// Lanes of query vectors for the query-parallel attention below: 16 on 512-bit registers (the
-// VNNI build), 8 on 256-bit ones. Every operation is lane-wise, so a query's results do not depend
-// on the lane it occupies or on the other queries beside it.
+// Lanes of query vectors for the query-parallel attention below: 8 on 256-bit registers, 16 on
+// 512-bit ones (the VNNI build, for tasks of more than 8 queries: one decoded row of the 0.5B has 7
+// per kv head, which would leave 9 of 16 lanes idle). Every operation is lane-wise and the same on
+// both widths (the same multiply-adds, exp256's arithmetic lane by lane), so a query's results do
+// not depend on the register width, the lane it occupies or the other queries beside it.
+struct V256 {
+  static constexpr int64_t W = 8;
+  typedef __m256 v;
+  static v zero() { return _mm256_setzero_ps(); }
+  static v load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, v x) { _mm256_storeu_ps(p, x); }
+  static v set1(float x) { return _mm256_set1_ps(x); }
+  static v fma(v a, v b, v c) { return _mm256_fmadd_ps(a, b, c); }
+  static v max(v a, v b) { return _mm256_max_ps(a, b); }
+  static v add(v a, v b) { return _mm256_add_ps(a, b); }
+  static v mul(v a, v b) { return _mm256_mul_ps(a, b); }
+  // exp(p - mx), and 0 where p is -inf (a key outside the query's range)
+  static v exp_masked(v p, v mx) {
+    const __m256 keep = _mm256_cmp_ps(p, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    return _mm256_and_ps(keep, exp256(_mm256_sub_ps(p, mx)));
+  }
+};
 #ifdef __AVX512F__
-constexpr int64_t QW = 16;
-typedef __m512 vq;
-inline vq vq_zero() { return _mm512_setzero_ps(); }
-inline vq vq_load(const float* p) { return _mm512_loadu_ps(p); }
-inline void vq_store(float* p, vq v) { _mm512_storeu_ps(p, v); }
-inline vq vq_set1(float x) { return _mm512_set1_ps(x); }
-inline vq vq_fma(vq a, vq b, vq c) { return _mm512_fmadd_ps(a, b, c); }
-inline vq vq_max(vq a, vq b) { return _mm512_max_ps(a, b); }
-inline vq vq_add(vq a, vq b) { return _mm512_add_ps(a, b); }
-inline vq vq_mul(vq a, vq b) { return _mm512_mul_ps(a, b); }
-// exp256's arithmetic on 16 lanes (the same operations and constants, lane by lane), and 0 where
-// the score is -inf (a key outside the query's range)
-inline vq vq_exp_masked(vq p, vq mx) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(p, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-  __m512 x = _mm512_max_ps(_mm512_sub_ps(p, mx), _mm512_set1_ps(-87.3f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
-#else
-constexpr int64_t QW = 8;
-typedef __m256 vq;
-inline vq vq_zero() { return _mm256_setzero_ps(); }
-inline vq vq_load(const float* p) { return _mm256_loadu_ps(p); }
-inline void vq_store(float* p, vq v) { _mm256_storeu_ps(p, v); }
-inline vq vq_set1(float x) { return _mm256_set1_ps(x); }
-inline vq vq_fma(vq a, vq b, vq c) { return _mm256_fmadd_ps(a, b, c); }
-inline vq vq_max(vq a, vq b) { return _mm256_max_ps(a, b); }
-inline vq vq_add(vq a, vq b) { return _mm256_add_ps(a, b); }
-inline vq vq_mul(vq a, vq b) { return _mm256_mul_ps(a, b); }
-inline vq vq_exp_masked(vq p, vq mx) {
-  const __m256 keep = _mm256_cmp_ps(p, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-  return _mm256_and_ps(keep, exp256(_mm256_sub_ps(p, mx)));
-}
+struct V512 {
+  static constexpr int64_t W = 16;
+  typedef __m512 v;
+  static v zero() { return _mm512_setzero_ps(); }
+  static v load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, v x) { _mm512_storeu_ps(p, x); }
+  static v set1(float x) { return _mm512_set1_ps(x); }
+  static v fma(v a, v b, v c) { return _mm512_fmadd_ps(a, b, c); }
+  static v max(v a, v b) { return _mm512_max_ps(a, b); }
+  static v add(v a, v b) { return _mm512_add_ps(a, b); }
+  static v mul(v a, v b) { return _mm512_mul_ps(a, b); }
+  static v exp_masked(v p, v mx) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(p, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(p, mx), _mm512_set1_ps(-87.3f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+  }
+};
 #endif
 
 // Attention of n (<= 64) query vectors that share one kv head, QW queries per vector lane-wise,
@@ -212,10 +216,13 @@ inline vq vq_exp_masked(vq p, vq mx) {
 // outside its range get score -inf and weight exactly 0, and a chunk with none of its keys leaves
 // its state unchanged, so its output is bit for bit the same whatever queries share its task: a
 // row decoded alone and the same row verified with drafts agree.
-// scratch: nsb * QW * (2 D + CH) floats, nsb = ceil(n / QW).
-constexpr int64_t ACH = 64;
-void attend_queries(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
+// scratch: nsb * QW * (2 D + ACH) floats, nsb = ceil(n / QW).
+constexpr int64_t ACH = 64, PF_CHUNKS = 2;
+template <class VT>
+void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
                     const float* K, const float* V, int64_t D, float sc, float* scratch) {
+  constexpr int64_t QW = VT::W;
+  typedef typename VT::v vq;
   const int64_t nsb = (n + QW - 1) / QW;
   float* qT = scratch;                   // [nsb][D][QW] queries, transposed
   float* acc = qT + nsb * D * QW;        // [nsb][QW][D] weighted sums of values
@@ -232,14 +239,27 @@ void attend_queries(int64_t n, const float* const* qv, float* const* ov, const i
       for (int64_t d = 0; d < D; ++d) t[d * QW + i] = q ? q[d] : 0.0f;
       if (q) lmin[b] = std::min(lmin[b], lo[b * QW + i]), lmax[b] = std::max(lmax[b], end[b * QW + i]);
     }
-    mrun[b] = vq_set1(-INFINITY);
-    lrun[b] = vq_zero();
+    mrun[b] = VT::set1(-INFINITY);
+    lrun[b] = VT::zero();
   }
   std::memset(acc, 0, nsb * QW * D * sizeof(float));
   int64_t Lmin = INT64_MAX, Lmax = 0;
   for (int64_t b = 0; b < nsb; ++b) Lmin = std::min(Lmin, lmin[b]), Lmax = std::max(Lmax, lmax[b]);
-  const vq vsc = vq_set1(sc);
-  for (int64_t c = (Lmin / ACH) * ACH; c < Lmax; c += ACH)
+  const vq vsc = VT::set1(sc);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  for (int64_t c = (Lmin / ACH) * ACH; c < Lmax; c += ACH) {
+    // the keys and values of the chunk after next, on their way from memory while this one is
+    // computed (two streams that alternate chunk by chunk defeat the hardware prefetcher: one
+    // decoded row at 32K positions took 26% longer without this)
+    const int64_t pa = c + PF_CHUNKS * ACH, pz = std::min(pa + ACH, Lmax);
+    if (pa < pz) {
+      const char* kb = reinterpret_cast<const char*>(K + pa * D);
+      const char* vb = reinterpret_cast<const char*>(V + pa * D);
+      for (int64_t o = 0; o < (pz - pa) * row_bytes; o += 64) {
+        _mm_prefetch(kb + o, _MM_HINT_T0);
+        _mm_prefetch(vb + o, _MM_HINT_T0);
+      }
+    }
     for (int64_t b = 0; b < nsb; ++b) {
       const int64_t a = std::max(c, lmin[b]), z = std::min(c + ACH, lmax[b]);
       if (a >= z) continue;
@@ -249,19 +269,19 @@ void attend_queries(int64_t n, const float* const* qv, float* const* ov, const i
       int64_t j = a;
       for (; j + 8 <= z; j += 8) {
         vq s8[8];
-        for (int k = 0; k < 8; ++k) s8[k] = vq_zero();
+        for (int k = 0; k < 8; ++k) s8[k] = VT::zero();
         const float* kr = K + j * D;
         for (int64_t d = 0; d < D; ++d) {
-          const vq qd = vq_load(t + d * QW);
-          for (int k = 0; k < 8; ++k) s8[k] = vq_fma(vq_set1(kr[k * D + d]), qd, s8[k]);
+          const vq qd = VT::load(t + d * QW);
+          for (int k = 0; k < 8; ++k) s8[k] = VT::fma(VT::set1(kr[k * D + d]), qd, s8[k]);
         }
-        for (int k = 0; k < 8; ++k) vq_store(sb + (j + k - a) * QW, vq_mul(s8[k], vsc));
+        for (int k = 0; k < 8; ++k) VT::store(sb + (j + k - a) * QW, VT::mul(s8[k], vsc));
       }
       for (; j < z; ++j) {
-        vq s0 = vq_zero();
+        vq s0 = VT::zero();
         const float* kr = K + j * D;
-        for (int64_t d = 0; d < D; ++d) s0 = vq_fma(vq_set1(kr[d]), vq_load(t + d * QW), s0);
-        vq_store(sb + (j - a) * QW, vq_mul(s0, vsc));
+        for (int64_t d = 0; d < D; ++d) s0 = VT::fma(VT::set1(kr[d]), VT::load(t + d * QW), s0);
+        VT::store(sb + (j - a) * QW, VT::mul(s0, vsc));
       }
       for (int64_t i = 0; i < m; ++i) {  // keys outside query i's own range
         const int64_t qlo = lo[b * QW + i], qend = end[b * QW + i];
@@ -269,20 +289,20 @@ void attend_queries(int64_t n, const float* const* qv, float* const* ov, const i
         for (int64_t jj = std::max(a, qend); jj < z; ++jj) sb[(jj - a) * QW + i] = -INFINITY;
       }
       const int64_t L = z - a;
-      vq cm = vq_set1(-INFINITY);
-      for (int64_t r = 0; r < L; ++r) cm = vq_max(cm, vq_load(sb + r * QW));
-      const vq mnew = vq_max(mrun[b], cm);
-      const vq scale = vq_exp_masked(mrun[b], mnew);  // exp(m_old - m); 0 where nothing was seen yet
+      vq cm = VT::set1(-INFINITY);
+      for (int64_t r = 0; r < L; ++r) cm = VT::max(cm, VT::load(sb + r * QW));
+      const vq mnew = VT::max(mrun[b], cm);
+      const vq scale = VT::exp_masked(mrun[b], mnew);  // exp(m_old - m); 0 where nothing was seen yet
       mrun[b] = mnew;
-      vq l = vq_mul(lrun[b], scale);
+      vq l = VT::mul(lrun[b], scale);
       for (int64_t r = 0; r < L; ++r) {
-        const vq e = vq_exp_masked(vq_load(sb + r * QW), mnew);
-        vq_store(sb + r * QW, e);
-        l = vq_add(l, e);
+        const vq e = VT::exp_masked(VT::load(sb + r * QW), mnew);
+        VT::store(sb + r * QW, e);
+        l = VT::add(l, e);
       }
       lrun[b] = l;
       float scl[QW];
-      vq_store(scl, scale);
+      VT::store(scl, scale);
       // weighted values: each query's sums rescaled, then its multiply-adds in key order
       for (int64_t d0 = 0; d0 < D; d0 += 4 * QW) {
         const int64_t nv = std::min<int64_t>(4, (D - d0) / QW);
@@ -290,20 +310,20 @@ void attend_queries(int64_t n, const float* const* qv, float* const* ov, const i
           const int64_t nq = std::min<int64_t>(4, m - i0);
           vq s[4][4];
           for (int64_t i = 0; i < nq; ++i) {
-            const vq si = vq_set1(scl[i0 + i]);
-            for (int64_t v = 0; v < nv; ++v) s[i][v] = vq_mul(vq_load(acc + (b * QW + i0 + i) * D + d0 + v * QW), si);
+            const vq si = VT::set1(scl[i0 + i]);
+            for (int64_t v = 0; v < nv; ++v) s[i][v] = VT::mul(VT::load(acc + (b * QW + i0 + i) * D + d0 + v * QW), si);
           }
           if (nv == 4 && nq == 4) {
             for (int64_t r = 0; r < L; ++r) {
               const float* vr = V + (a + r) * D + d0;
-              const vq v0 = vq_load(vr), v1 = vq_load(vr + QW), v2 = vq_load(vr + 2 * QW), v3 = vq_load(vr + 3 * QW);
+              const vq v0 = VT::load(vr), v1 = VT::load(vr + QW), v2 = VT::load(vr + 2 * QW), v3 = VT::load(vr + 3 * QW);
               const float* wr = sb + r * QW + i0;
               for (int i = 0; i < 4; ++i) {
-                const vq wi = vq_set1(wr[i]);
-                s[i][0] = vq_fma(wi, v0, s[i][0]);
-                s[i][1] = vq_fma(wi, v1, s[i][1]);
-                s[i][2] = vq_fma(wi, v2, s[i][2]);
-                s[i][3] = vq_fma(wi, v3, s[i][3]);
+                const vq wi = VT::set1(wr[i]);
+                s[i][0] = VT::fma(wi, v0, s[i][0]);
+                s[i][1] = VT::fma(wi, v1, s[i][1]);
+                s[i][2] = VT::fma(wi, v2, s[i][2]);
+                s[i][3] = VT::fma(wi, v3, s[i][3]);
               }
             }
           } else {
@@ -311,26 +331,36 @@ void attend_queries(int64_t n, const float* const* qv, float* const* ov, const i
               const float* vr = V + (a + r) * D + d0;
               const float* wr = sb + r * QW + i0;
               for (int64_t i = 0; i < nq; ++i) {
-                const vq wi = vq_set1(wr[i]);
-                for (int64_t v = 0; v < nv; ++v) s[i][v] = vq_fma(wi, vq_load(vr + v * QW), s[i][v]);
+                const vq wi = VT::set1(wr[i]);
+                for (int64_t v = 0; v < nv; ++v) s[i][v] = VT::fma(wi, VT::load(vr + v * QW), s[i][v]);
               }
             }
           }
           for (int64_t i = 0; i < nq; ++i)
-            for (int64_t v = 0; v < nv; ++v) vq_store(acc + (b * QW + i0 + i) * D + d0 + v * QW, s[i][v]);
+            for (int64_t v = 0; v < nv; ++v) VT::store(acc + (b * QW + i0 + i) * D + d0 + v * QW, s[i][v]);
         }
       }
     }
+  }
   for (int64_t b = 0; b < nsb; ++b) {
     float sums[QW];
-    vq_store(sums, lrun[b]);
+    VT::store(sums, lrun[b]);
     for (int64_t i = 0; i < std::min(QW, n - b * QW); ++i) {
       const float* ai = acc + (b * QW + i) * D;
       float* o = ov[b * QW + i];
-      const vq vi = vq_set1(1.0f / sums[i]);
-      for (int64_t d = 0; d < D; d += QW) vq_store(o + d, vq_mul(vq_load(ai + d), vi));
+      const vq vi = VT::set1(1.0f / sums[i]);
+      for (int64_t d = 0; d < D; d += QW) VT::store(o + d, VT::mul(VT::load(ai + d), vi));
     }
   }
+}
+
+// the register width by the number of queries (see V256 / V512): the same bits either way
+void attend_queries(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
+                    const float* K, const float* V, int64_t D, float sc, float* scratch) {
+#ifdef __AVX512F__
+  if (n > 8 && D % 16 == 0) return attend_queries_t<V512>(n, qv, ov, lo, end, K, V, D, sc, scratch);
+#endif
+  attend_queries_t<V256>(n, qv, ov, lo, end, K, V, D, sc, scratch);
 }
 
 at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
@@ -404,10 +434,9 @@ at::Tensor attend_cached(const at::Tensor& qkv, const at::Tensor& cos, const at:
   // tasks of at least ~64K multiply-adds each: short contexts run on the calling thread
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, std::min(nq, QCH) * (start + 1) * D));
   const int64_t P = start + T;  // the longest row's key count
-  if (D % QW == 0) {  // the query-parallel kernel (attend_queries)
+  if (D % 8 == 0) {  // the query-parallel kernel (attend_queries)
     at::parallel_for(0, KV * per, grain, [&](int64_t i0, int64_t i1) {
-      const int64_t nsb = (QCH + QW - 1) / QW;
-      std::vector<float> scratch(nsb * QW * (2 * D + ACH));
+      std::vector<float> scratch(((QCH + 15) / 16) * 16 * (2 * D + ACH));  // nsb * QW at either width
       const float* qv[QMAX];
       float* ov[QMAX];
       int64_t lo[QMAX], end[QMAX];
