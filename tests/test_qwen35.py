@@ -278,22 +278,9 @@ def test_mtp_layer_fill_writes_the_entries_its_forward_writes(hybrid, T):
     """The gated-attention MTP layer's `fill` (rows whose output is not read: the prompt, the
     catch-up before the last row) writes the key/value entries of its full forward: the same bits
     through the PyTorch modules (40 rows), float32 rounding against the C++ block (5 rows)."""
-    from mtpllm.speculative.mtp import MTPProposer
+    from tiny import check_fill_matches_forward
     _, _, gguf = hybrid["qwen35"]
-    eng = _engine(gguf, GGUFFile(gguf).metadata, "qwen35")
-    prop = MTPProposer.for_engine(eng)
-    head, cfg = prop.head, eng.model.cfg
-    g = torch.Generator().manual_seed(2)
-    emb = prop.embed(torch.randint(0, cfg.vocab_size, (T + 1,), generator=g))
-    hid = torch.randn(T + 1, cfg.d_model, generator=g)
-    full, filled = head.make_cache(cfg, 64), head.make_cache(cfg, 64)
-    with torch.inference_mode():
-        head(emb[:T], hid[:T], full)
-        head.fill(emb[:T], hid[:T], filled)
-        tol = dict(rtol=0, atol=0) if T >= 32 else dict(rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(filled.k[:, :, :T], full.k[:, :, :T], **tol)
-        torch.testing.assert_close(filled.v[:, :, :T], full.v[:, :, :T], **tol)
-        torch.testing.assert_close(head(emb[T:], hid[T:], filled), head(emb[T:], hid[T:], full), rtol=1e-5, atol=1e-5)
+    check_fill_matches_forward(_engine(gguf, GGUFFile(gguf).metadata, "qwen35"), T, seed=2)
 
 
 LLAMACPP = os.environ.get("MTPLLM_LLAMACPP")  # llama.cpp source tree (vendor/llama.cpp of llama-cpp-python)

@@ -12,7 +12,7 @@ from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import SpecConfig, parse_speculative_json
 from mtpllm.speculative import verifier as V
 from mtpllm.speculative.mtp import MTPProposer, load_mtp_head
-from tiny import make_tiny, make_tiny_head
+from tiny import check_fill_matches_forward, make_tiny, make_tiny_head
 
 GREEDY = dict(temperature=0, max_tokens=40, ignore_eos=True)
 # a prompt with repeats, so n-gram lookup finds matches
@@ -701,20 +701,4 @@ def test_head_fill_writes_the_entries_its_forward_writes(tiny_dir, arch, T):
     row's output then matches. T = 40 rows go through the PyTorch modules on both sides (the same
     bits); T = 5 rows run the C++ block in `forward` (its own rotary and sums: float32 rounding)."""
     eng = Engine.load(str(make_tiny(tiny_dir / f"fill-{arch}.gguf", arch, seed=7, nextn=1)), n_ctx=128)
-    prop = MTPProposer.for_engine(eng)
-    head, cfg = prop.head, eng.model.cfg
-    g = torch.Generator().manual_seed(3)
-    emb = prop.embed(torch.randint(0, cfg.vocab_size, (T + 1,), generator=g))
-    hid = torch.randn(T + 1, cfg.d_model, generator=g)
-    full, filled = head.make_cache(cfg, 64), head.make_cache(cfg, 64)
-    with torch.inference_mode():
-        head(emb[:T], hid[:T], full)
-        head.fill(emb[:T], hid[:T], filled)
-        assert filled.length == full.length == T
-        tol = dict(rtol=0, atol=0) if T >= 32 else dict(rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(filled.k[:, :, :T], full.k[:, :, :T], **tol)
-        torch.testing.assert_close(filled.v[:, :, :T], full.v[:, :, :T], **tol)
-        assert filled.k[:, :, :T].abs().max() > 0.1  # entries were written
-        torch.testing.assert_close(head(emb[T:], hid[T:], filled), head(emb[T:], hid[T:], full), rtol=1e-5, atol=1e-5)
-        with pytest.raises(MtpllmError, match="exceed"):
-            head.fill(emb, hid, head.make_cache(cfg, T))
+    check_fill_matches_forward(eng, T, seed=3)

@@ -151,3 +151,32 @@ def make_tiny_head(path: str | Path, arch: str = "qwen2", n_layers: int = 2, see
     if draft_vocab is not None:
         meta["mtpllm.draft_vocab"] = [int(x) for x in draft_vocab]
     return write_gguf(path, arch, meta, tensors)
+
+
+def check_fill_matches_forward(engine, T: int, seed: int) -> None:
+    """The engine's MTP head: `fill` over T random rows writes the cache entries its full forward
+    writes (the same bits at T >= 32 rows, where both run the PyTorch modules; float32 rounding
+    against the C++ block below that), and the next row's output then matches. Shared by the dense
+    and the hybrid heads' tests."""
+    import pytest
+    import torch
+
+    from mtpllm.errors import MtpllmError
+    from mtpllm.speculative.mtp import MTPProposer
+    prop = MTPProposer.for_engine(engine)
+    head, cfg = prop.head, engine.model.cfg
+    g = torch.Generator().manual_seed(seed)
+    emb = prop.embed(torch.randint(0, cfg.vocab_size, (T + 1,), generator=g))
+    hid = torch.randn(T + 1, cfg.d_model, generator=g)
+    full, filled = head.make_cache(cfg, 64), head.make_cache(cfg, 64)
+    with torch.inference_mode():
+        head(emb[:T], hid[:T], full)
+        head.fill(emb[:T], hid[:T], filled)
+        assert filled.length == full.length == T
+        tol = dict(rtol=0, atol=0) if T >= 32 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(filled.k[:, :, :T], full.k[:, :, :T], **tol)
+        torch.testing.assert_close(filled.v[:, :, :T], full.v[:, :, :T], **tol)
+        assert filled.k[:, :, :T].abs().max() > 0.1  # entries were written
+        torch.testing.assert_close(head(emb[T:], hid[T:], filled), head(emb[T:], hid[T:], full), rtol=1e-5, atol=1e-5)
+        with pytest.raises(MtpllmError, match="exceed"):
+            head.fill(emb, hid, head.make_cache(cfg, T))
