@@ -185,22 +185,12 @@ struct V512 {
   static v max(v a, v b) { return _mm512_max_ps(a, b); }
   static v add(v a, v b) { return _mm512_add_ps(a, b); }
   static v mul(v a, v b) { return _mm512_mul_ps(a, b); }
-  static v exp_masked(v p, v mx) {
+  static v exp_masked(v p, v mx) {  // exp256 on each half: the same arithmetic lane by lane
     const __mmask16 keep = _mm512_cmp_ps_mask(p, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    __m512 x = _mm512_max_ps(_mm512_sub_ps(p, mx), _mm512_set1_ps(-87.3f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+    const __m512d x = _mm512_castps_pd(_mm512_sub_ps(p, mx));
+    const __m256d lo = _mm256_castps_pd(exp256(_mm256_castpd_ps(_mm512_castpd512_pd256(x))));
+    const __m256d hi = _mm256_castps_pd(exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(x, 1))));
+    return _mm512_maskz_mov_ps(keep, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1)));
   }
 };
 #endif
