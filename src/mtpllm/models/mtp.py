@@ -44,12 +44,15 @@ class MTPHead(nn.Module):
     def make_cache(self, cfg, max_len: int, device="cpu") -> KVCache:
         return KVCache(1, cfg.n_kv_heads, cfg.head_dim, max_len, device=device)
 
+    def _input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """eh_proj(concat(enorm(emb), hnorm(hidden))): the block's input rows."""
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """emb, hidden [T, D] for positions [cache.length, +T) -> normed output hidden [T, D]."""
         T = emb.shape[0]
         positions = cache.positions[cache.length:cache.length + T]
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-        x = self.block(x, positions, cache, 0)
+        x = self.block(self._input(emb, hidden), positions, cache, 0)
         cache.advance(T)
         return self.out_norm(x)
 
@@ -62,8 +65,7 @@ class MTPHead(nn.Module):
         positions = cache.positions[cache.length:cache.length + T]
         if positions.shape[0] != T:
             raise MtpllmError(f"MTP head: {cache.length} + {T} positions exceed its cache of {cache.max_len}")
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-        self.block.store(x, positions, cache, 0)
+        self.block.store(self._input(emb, hidden), positions, cache, 0)
         cache.advance(T)
 
     def forward_batch(self, embs: list[torch.Tensor], hiddens: list[torch.Tensor], caches: list) -> list[torch.Tensor]:
