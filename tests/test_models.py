@@ -381,6 +381,24 @@ def test_silu_mul_matches_pytorch():
     torch.testing.assert_close(kernels.silu_mul(gu), torch.nn.functional.silu(g) * u, rtol=2e-6, atol=1e-7)
 
 
+def test_argmax_kernel_is_torch_argmax():
+    """Greedy decoding and verification take each row's argmax with the C++ kernel: the same index
+    as torch.argmax, ties to the first one, a NaN counting as the maximum, any row length."""
+    from mtpllm.runtime import kernels
+    if not kernels.available():
+        pytest.skip(kernels.status())
+    gen = torch.Generator().manual_seed(3)
+    for V in (1, 7, 8, 31, 32, 33, 1000, 151936):
+        x = torch.randn(5, V, generator=gen)
+        x[1] = torch.randint(0, 3, (V,), generator=gen).float()  # many ties of the maximum
+        x[2] = float("-inf")
+        x[3, V // 2] = float("nan")
+        x[3, V - 1] = float("inf")
+        x[4, -1] = x[4].max() + 1  # the maximum in the scalar tail
+        assert kernels.argmax(x) == x.argmax(-1).tolist(), V
+        assert kernels.argmax(x[1]) == int(x[1].argmax())
+    assert kernels.argmax(torch.tensor([[0.0, 2.0, 2.0]], dtype=torch.float64)) == [1]  # torch's, not float32
+
 def test_verification_blocks_stay_below_the_row_threshold():
     """One threshold (runtime.linear.GEMM_MIN_ROWS) separates decoding/verification rows, which
     every layer computes as one-token decoding does, from prompt chunks: the largest verification

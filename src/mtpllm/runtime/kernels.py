@@ -190,6 +190,7 @@ def _build() -> None:
             _state["rms_norm"] = torch.ops.mtpllm.rms_norm
             _state["attend_cached"] = torch.ops.mtpllm.attend_cached
             _state["silu_mul"] = torch.ops.mtpllm.silu_mul
+            _state["argmax_rows"] = torch.ops.mtpllm.argmax_rows
             _state["x8_tile4"] = torch.ops.mtpllm.x8_tile4
             _state["tuning"] = torch.ops.mtpllm.tuning
             _state["paired_tiles"] = torch.ops.mtpllm.paired_tiles
@@ -290,6 +291,18 @@ def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: t
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [T, 2F] float32 (gate | up) -> silu(gate) * up [T, F] (csrc/decode.cpp)."""
     return _op("silu_mul")(gu)
+
+
+def argmax(x: torch.Tensor) -> list[int] | int:
+    """torch.argmax(x, -1) of float32 logits [V] (-> int) or [T, V] (-> list of T ints): the first
+    index of each row's maximum, a NaN counting as the maximum (csrc/decode.cpp; torch's own where the
+    kernels are not built or x is not a CPU float32 tensor)."""
+    rows = x.unsqueeze(0) if x.dim() == 1 else x
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0 and available():
+        got = _op("argmax_rows")(rows).tolist()
+    else:
+        got = rows.argmax(-1).tolist()
+    return got[0] if x.dim() == 1 else got
 
 
 def x8_tile4(value: int = -1) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import MtpllmError
+from .kernels import argmax
 
 
 @dataclass
@@ -124,7 +125,7 @@ class Sampler:
         logits = self.apply_penalties(logits.float(), history or [])
         if self.p.greedy:
             out = torch.zeros_like(logits)
-            out[logits.argmax()] = 1.0
+            out[argmax(logits)] = 1.0
             return out
         p = self.p
         if p.top_k and p.top_k < logits.shape[-1]:
@@ -142,12 +143,12 @@ class Sampler:
 
     def sample_from(self, probs: torch.Tensor) -> int:
         if self.p.greedy:
-            return int(probs.argmax())
+            return argmax(probs)
         return int(torch.multinomial(probs, 1, generator=self.gen))
 
     def sample(self, logits: torch.Tensor, history: list[int] | None = None) -> int:
         if self.p.greedy and not self.p.uses_penalties:
-            return int(logits.argmax())
+            return argmax(logits)
         return self.sample_from(self.probs(logits, history))
 
 

@@ -67,32 +67,67 @@ class ChainProposer:
         (drafting priced at the slowest member's, which lookup does not pay). A member without
         `probe_ms` (lookup) drafts first and its drafts are then kept while they pay for their rows
         on its record; a member with one plans its length from its record before it drafts."""
+        return self.propose_priced_batch([st], [history], [k], [sampler], p_min, p_cum, [pol], [costs])[0]
+
+    def propose_priced_batch(self, sts: list, histories: list, ks: list[int], samplers: list, p_min: float,
+                             p_cum: float, pols: list, costs: list, ms: list | None = None) -> list:
+        """`propose_priced` for several sequences that share a step: each member drafts once for all
+        the sequences that reach it (one `propose_batch` pass of a head for all of them: its weights
+        read once per draft position, each sequence's drafts exactly those it drafts alone).
+        -> [(drafts, qs)] per sequence; `ms`, when given, gets each sequence's share of the drafting
+        time added (a pass's time split among the sequences it drafted for)."""
+        import time
         from dataclasses import replace
 
         from .policy import CostPolicy
-        pol.active = None
-        for i, (p, s, kp) in enumerate(zip(self.proposers, st.states, self.ks)):
-            rec, ki = pol.members[i], min(k, kp)
+        out: list = [([], []) for _ in sts]
+        for pol in pols:
+            pol.active = None
+        todo = list(range(len(sts)))
+        for i, (p, kp) in enumerate(zip(self.proposers, self.ks)):
+            got: dict[int, tuple] = {}
+            t0 = time.perf_counter()
             if not hasattr(p, "probe_ms"):  # free to propose: look first, then price the rows
-                drafts, qs = p.propose(s, history, ki, sampler, p_min, p_cum)
-                if not drafts:
-                    continue  # no match: not a plain step of this member's
-                c = replace(costs, draft=0.0)
-                n, keep = CostPolicy.limit(rec, c, len(drafts)), CostPolicy.keeper(rec, c)
-                m = 0
-                while m < n and keep(m, 1.0):  # a match's drafts all have confidence 1
-                    m += 1
-                drafts, qs = drafts[:m], qs[:m]
+                run = todo
+                for j in todo:
+                    drafts, qs = p.propose(sts[j].states[i], histories[j], min(ks[j], kp), samplers[j], p_min, p_cum)
+                    if not drafts:
+                        continue  # no match: not a plain step of this member's
+                    rec, c = pols[j].members[i], replace(costs[j], draft=0.0)
+                    n, keep = CostPolicy.limit(rec, c, len(drafts)), CostPolicy.keeper(rec, c)
+                    m = 0
+                    while m < n and keep(m, 1.0):  # a match's drafts all have confidence 1
+                        m += 1
+                    got[j] = (drafts[:m], qs[:m])
             else:
-                n = CostPolicy.limit(rec, costs, ki)
-                drafts, qs = p.propose(s, history, n, sampler, p_min, p_cum,
-                                       keep=CostPolicy.keeper(rec, costs)) if n > 0 else ([], [])
-            if drafts:
-                pol.active, st.last = i, self.names[i]
-                return drafts, qs
-            pol.skip(i)
-        st.last = None
-        return [], []
+                asked = {j: CostPolicy.limit(pols[j].members[i], costs[j], min(ks[j], kp)) for j in todo}
+                run = [j for j in todo if asked[j] > 0]
+                keeps = [CostPolicy.keeper(pols[j].members[i], costs[j]) for j in run]
+                args = ([sts[j].states[i] for j in run], [histories[j] for j in run], [asked[j] for j in run],
+                        [samplers[j] for j in run])
+                if len(run) > 1 and hasattr(p, "propose_batch"):
+                    res = p.propose_batch(*args, p_min, p_cum, keeps)
+                else:
+                    res = [p.propose(st, h, n, smp, p_min, p_cum, keep=kp_) for st, h, n, smp, kp_ in zip(*args, keeps)]
+                got.update(zip(run, res))
+            if ms is not None and run:
+                share = (time.perf_counter() - t0) * 1e3 / len(run)
+                for j in run:
+                    ms[j] += share
+            left = []
+            for j in todo:
+                drafts, qs = got.get(j, ([], []))
+                if drafts:
+                    pols[j].active, sts[j].last = i, self.names[i]
+                    out[j] = (drafts, qs)
+                else:
+                    if j in got or hasattr(p, "probe_ms"):
+                        pols[j].skip(i)
+                    left.append(j)
+            todo = left
+        for j in todo:
+            sts[j].last = None
+        return out
 
     def probe_ms(self, st: ChainState, hidden, token: int) -> float | None:
         """The slowest member's drafting of one token (n-gram lookup is not timed: it is free)."""

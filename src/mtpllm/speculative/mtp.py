@@ -17,6 +17,7 @@ from ..gguf.quants import SUPPORTED_TYPES
 from ..gguf.reader import GGUFFile
 from ..models.base import ARCHITECTURES, Embedding, build_block, make_rotaries, _norm
 from ..models.mtp import MTPHead
+from ..runtime.kernels import argmax
 from ..runtime.linear import decode_rows, make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
 from ..runtime.engine import PREFILL_CHUNK
@@ -370,7 +371,7 @@ class MTPProposer:
             if self.vocab is not None and sampler.p.greedy and not sampler.p.uses_penalties:
                 # greedy drafts from the draft vocabulary's logits alone: the tokens outside it have
                 # -inf (probability 0), so argmax and top probability are those of the full vector
-                j = int(logits.argmax())
+                j = argmax(logits)
                 d, q = int(st.draft_ids[j]), None
                 top = float(torch.softmax(logits, -1)[j]) if cut > 0 else 1.0
             else:

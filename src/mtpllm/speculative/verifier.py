@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.kernels import argmax
 from ..runtime.sampling import Sampler
 from .policy import ChainPolicyState, CostPolicy, PolicyState, depth_band, step_costs
 # proposers import common_prefix from here
@@ -141,7 +142,7 @@ def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
     parameters); greedy drafts are one-hot (q = None). The top probability is only computed when
     a p-min cut-off asks for it (a softmax over the whole vocabulary per draft step); else 1.0."""
     if sampler.p.greedy and not sampler.p.uses_penalties:
-        d = int(logits.argmax())
+        d = argmax(logits)
         q = None
     else:
         q = sampler.probs(logits, history)
@@ -218,7 +219,7 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
     """
     params = sampler.p
     if params.greedy and not params.uses_penalties:
-        target = logits.argmax(-1).tolist()  # all positions at once
+        target = argmax(logits)  # all positions at once
         n = 0
         while n < len(drafts) and drafts[n] == target[n]:
             n += 1
@@ -237,7 +238,7 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
             hist.append(d)
             continue
         if params.greedy:
-            return i, int(p.argmax())
+            return i, argmax(p)
         if q is None:
             q = torch.zeros_like(p)
             q[d] = 1.0
@@ -320,23 +321,31 @@ class SpeculativeDecoder:
                 plans.append(self._limit(seq, engine, batch))
             except Exception as e:  # noqa: BLE001 - this sequence's fault only
                 plans.append(e)
-        together = [i for i, pl in enumerate(plans) if isinstance(pl, tuple) and pl[0] > 0 and pl[2] is None]
         ms = [0.0] * len(seqs)
-        if len(together) > 1 and hasattr(self.proposer, "propose_batch"):
+        ok = [i for i, pl in enumerate(plans) if isinstance(pl, tuple)]
+        # a chain priced member by member (pl[2], its costs) or one proposer with its keep rule
+        chained = [i for i in ok if plans[i][2] is not None]
+        single = [i for i in ok if plans[i][2] is None and plans[i][0] > 0]
+        together = []
+        for group, batched in ((chained, "propose_priced_batch"), (single, "propose_batch")):
+            if len(group) < 2 or not hasattr(self.proposer, batched):
+                continue
+            args = ([seqs[i].draft for i in group], [seqs[i].history for i in group], [plans[i][0] for i in group],
+                    [seqs[i].draft_sampler for i in group], cfg.p_min, cfg.p_cum)
             t0 = time.perf_counter()
+            shares = [0.0] * len(group)
             try:
-                got = self.proposer.propose_batch(
-                    [seqs[i].draft for i in together], [seqs[i].history for i in together],
-                    [plans[i][0] for i in together], [seqs[i].draft_sampler for i in together], cfg.p_min, cfg.p_cum,
-                    [plans[i][1] for i in together])
+                if group is chained:  # each member's pass split among the sequences it drafted for
+                    got = self.proposer.propose_priced_batch(*args, [seqs[i].policy for i in group],
+                                                             [plans[i][2] for i in group], shares)
+                else:
+                    got = self.proposer.propose_batch(*args, [plans[i][1] for i in group])
+                    shares = [(time.perf_counter() - t0) * 1e3 / len(group)] * len(group)  # the pass's time, shared
             except Exception:  # noqa: BLE001 - find whose it is: each one alone below
-                together = []
-            else:
-                share = (time.perf_counter() - t0) * 1e3 / len(together)  # the pass's time, shared
-                for i, pending in zip(together, got):
-                    seqs[i].pending, ms[i] = pending, share
-        else:
-            together = []
+                continue
+            for i, pending, m in zip(group, got, shares):
+                seqs[i].pending, ms[i] = pending, m
+            together += group
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             if not isinstance(pl, tuple) or i in together:
                 continue
