@@ -8,7 +8,7 @@ from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import policy
 from mtpllm.speculative import SpecConfig
-from mtpllm.speculative.policy import (PROBE_MAX, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
+from mtpllm.speculative.policy import (PROBE_MAX, batch_rows, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
 from tiny import gpt2_vocab, make_tiny
 
@@ -300,8 +300,8 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
             sched.shutdown(1)
     finally:
         set_step_costs(engine, None)
-    # the batch's table timed once (then reused), at n and 2 n rows: the rest continues that line
-    assert (3, 6) in calls and calls.count((3, 6)) == 1
+    # the batch's table timed once (then reused), at n, n + 1 and 2 n rows: the rest continues those lines
+    assert (3, 4, 6) in calls and calls.count((3, 4, 6)) == 1
     for rs in outs:
         toks = [x.token for x in rs if x.token is not None]
         assert toks == alone.tokens  # lossless whatever was chosen
@@ -310,9 +310,12 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
 
 
 def test_batch_costs_arithmetic():
-    """rows[r - 1] = T(n r) / T(n); the draft cost is scaled to the batch's step."""
+    """A sequence's rows are priced at the batch's row past its first one, every sequence assumed
+    to verify as many (rows[r - 1] = (T(n) + n (r - 1) m) / T(n)); the draft cost is scaled to the
+    batch's step."""
     t = StepCosts()
-    t.batch[(0, 2)] = [2e-3, 3e-3, 8e-3]
+    t.batch[(0, 2)] = [2e-3, 2.6e-3, 3e-3, 5e-3, 8e-3]  # 2..6 rows
+    t.batch_row[(0, 2)] = 0.5e-3
     base = Costs([1.0, 1.1, 1.2], 0.05, 1.0)
 
     class Seq:  # only the cache's depth is read when the table already has the batch's times
@@ -321,20 +324,22 @@ def test_batch_costs_arithmetic():
                 length, max_len = 10, 100
         x0 = 1
     c = t.batch_costs(None, Seq, 2, 3, base)
-    assert c.rows == [1.0, 1.5, 4.0] and c.step_ms == 2.0
+    assert c.rows == pytest.approx([1.0, 1.5, 2.0]) and c.step_ms == 2.0
     assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
     assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
+    assert t.batch_table(10, 2) is t.batch[(0, 2)] and t.batch_table(600, 2) is None
 
 
-def test_a_batch_table_is_timed_at_n_and_2n_rows_and_extended(monkeypatch):
-    """A batch of n sequences times its forward at n and 2 n rows only (what every sequence waits
-    for), continues that line to n (k + 1) rows, and prices counts the cache cannot hold at
-    infinity without storing the table."""
+def test_a_batch_table_is_timed_at_n_n_plus_1_and_2n_rows_and_extended(monkeypatch):
+    """A batch of n sequences times its forward at n, n + 1 and 2 n rows only (what every sequence
+    waits for): the first row past n may open a tile of the kernels, the rows after it up to 2 n
+    continue the line from n + 1 to 2 n, the rows past 2 n the average slope from n to 2 n. Counts
+    the cache cannot hold cost infinity and the table is then not stored."""
     calls = []
 
-    def fake(engine, seq, counts, reps):
+    def fake(engine, seq, counts, reps):  # 3 ms, a 2 ms jump to the 5th row, then 0.5 ms per row
         calls.append(tuple(counts))
-        return {c: (1.0 + 0.5 * c) * 1e-3 for c in counts}, None
+        return {c: (3.0 + (2.0 + 0.5 * (c - 5) if c > 4 else 0.0)) * 1e-3 for c in counts}, None
     monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
 
     class Seq:
@@ -345,15 +350,18 @@ def test_a_batch_table_is_timed_at_n_and_2n_rows_and_extended(monkeypatch):
     t = StepCosts()
     base = Costs([1.0] * 5, 0.0, 1.0)
     c = t.batch_costs(None, Seq, 4, 5, base)
-    assert calls == [(4, 8)]
-    assert t.batch[(0, 4)] == pytest.approx([3e-3, 5e-3, 7e-3, 9e-3, 11e-3])
-    assert c.rows == pytest.approx([1.0, 5 / 3, 7 / 3, 3.0, 11 / 3])
+    assert calls == [(4, 5, 8)]
+    tab = t.batch[(0, 4)]
+    assert len(tab) == 17  # 4 .. 20 rows
+    assert tab[:5] == pytest.approx([3e-3, 5e-3, 5.5e-3, 6e-3, 6.5e-3])  # 4, 5 (the jump), 6, 7, 8
+    assert tab[16] == pytest.approx(6.5e-3 + 12 * 3.5e-3 / 4)  # 20 rows: 12 past 2 n at (6.5 - 3) / 4 ms
+    assert c.rows == pytest.approx([1.0 + 4 * r * 0.5 / 3 for r in range(5)])
     t.batch_costs(None, Seq, 4, 5, base)
-    assert calls == [(4, 8)]  # reused
+    assert calls == [(4, 5, 8)]  # reused
     Seq.slot.cache.length = 80  # room for 19 more rows: 4 x 5 = 20 does not fit
     t2 = StepCosts()
     c = t2.batch_costs(None, Seq, 4, 5, base)
-    assert c.rows[-1] == float("inf") and c.rows[:4] == pytest.approx([1.0, 5 / 3, 7 / 3, 3.0])
+    assert c.rows[-1] == float("inf") and c.rows[:4] == pytest.approx([1.0 + 4 * r * 0.5 / 3 for r in range(4)])
     assert t2.batch == {}  # a short cache's table is not kept
     Seq.slot.cache.length = 93  # room for 6 more rows: n = 4 fits, 2 n does not
     for n_rows in (1, 3):
@@ -362,18 +370,14 @@ def test_a_batch_table_is_timed_at_n_and_2n_rows_and_extended(monkeypatch):
 
 
 def test_observed_steps_move_the_batch_table():
-    """A step's observed time moves the two table points around its row count, each by its share,
-    so repeated steps of one cost bring the line through that cost; the points away from it stay."""
+    """A step's observed time moves the table's time at its row count (a running mean): repeated
+    steps of one cost bring it to that cost; the other counts stay."""
     t = StepCosts()
     t.batch[(0, 2)] = [2e-3, 3e-3, 8e-3]
-    for _ in range(200):  # 4 rows = 2 x 2: the second point itself
-        t.observe_step([10, 20], 4, 5e-3)
+    for _ in range(200):
+        t.observe_step([10, 20], 3, 5e-3)
     assert t.batch[(0, 2)] == pytest.approx([2e-3, 5e-3, 8e-3])
-    for _ in range(400):  # 5 rows: halfway between the points at 4 and 6 rows
-        t.observe_step([10, 20], 5, 10e-3)
-    tab = t.batch[(0, 2)]
-    assert (tab[1] + tab[2]) / 2 == pytest.approx(10e-3) and tab[0] == 2e-3
-    assert t.observed == 600
+    assert t.observed == 200
     # every band the sequences are in learns from the step; other batch sizes and bands do not
     t.batch[(1, 2)] = [4e-3, 6e-3]
     t.batch[(0, 3)] = [4e-3, 6e-3]
@@ -381,12 +385,41 @@ def test_observed_steps_move_the_batch_table():
     assert t.batch[(0, 2)][0] > 2e-3 and t.batch[(1, 2)][0] < 4e-3 and t.batch[(0, 3)] == [4e-3, 6e-3]
     before = {k: list(v) for k, v in t.batch.items()}
     t.observe_step([10], 1, 1.0)  # one sequence: its own table, not a batch's
-    t.observe_step([10, 20], 7, 1.0)  # past the table's last point: nothing to move
+    t.observe_step([10, 20], 5, 1.0)  # past the table's last count: nothing to move
+    t.observe_step([10, 20], 1, 1.0)  # fewer rows than sequences: not a step of theirs
     assert t.batch == before
     fixed = StepCosts(Costs([1.0, 1.2], 0.1))
     fixed.observe_step([1, 2], 2, 1.0)
     fixed.observe_draft("k", 1, 100.0, 1)
     assert fixed.get(1, 2, "k").draft == 0.1  # given costs stay as given
+
+
+def test_batch_rows_opens_a_tile_only_when_its_drafts_pay():
+    """The whole step's plan: drafts join in order of expected tokens while tokens per second
+    grow. Past n rows a tile of the kernels opens at a price (here 8 sequences, 80 ms, the 9th row
+    12 ms, each further one 5 ms): a few middling drafts do not pay for it, enough of them do, and
+    a probe is verified whatever it costs (the others then ride on its tile)."""
+    tab = [80.0, 92.0] + [92.0 + 5 * i for i in range(1, 24)]  # 8 .. 32 rows, ms
+
+    def seconds(rows):
+        return tab[rows - 8]
+    none = [[] for _ in range(8)]
+    assert batch_rows(8, none, [0] * 8, seconds) == [0] * 8
+    # one sequence with 0.8, 0.64: the 9th row alone costs 1.2 tokens' time (80 / 8 = 10 ms per token)
+    few = [[0.8, 0.64]] + [[] for _ in range(7)]
+    assert batch_rows(8, few, [0] * 8, seconds) == [0] * 8
+    # eight sequences with a draft each at 0.8: 6.4 tokens for 8 rows at 47 ms: worth it
+    many = [[0.8] for _ in range(8)]
+    assert batch_rows(8, many, [0] * 8, seconds) == [1] * 8
+    # a probe opens the tile: the good drafts after it join, the poor one does not
+    mixed = [[0.3], [0.9, 0.81], [0.9], [0.05]] + [[] for _ in range(4)]
+    got = batch_rows(8, mixed, [1, 0, 0, 0] + [0] * 4, seconds)
+    assert got == [1, 2, 1, 0] + [0] * 4
+    # a sequence's drafts join in order (on equal gains, first drafts before second ones), and row
+    # counts past the table are never chosen
+    ties = [[0.9, 0.9, 0.9]] + [[0.9] for _ in range(7)]
+    got = batch_rows(8, ties, [0] * 8, lambda r: 80.0 + 5.0 * (r - 8) if r <= 12 else float("inf"))
+    assert got == [1, 1, 1, 1, 0, 0, 0, 0]
 
 
 def test_observed_drafting_is_what_drafts_cost():

@@ -112,7 +112,8 @@ class StepCosts:
         self.rows: dict[int, tuple[list[float], float]] = {}  # band -> (row costs, one-row ms)
         self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
         self.draft_seen: dict[tuple, float] = {}  # the same, as decoding observes it (running mean)
-        self.batch: dict[tuple, list[float]] = {}  # (band, sequences) -> seconds at n, 2n, ... rows
+        self.batch: dict[tuple, list[float]] = {}  # (band, sequences n) -> seconds at n, n + 1, ... rows
+        self.batch_row: dict[tuple, float] = {}  # (band, n) -> seconds of a row past n + 1 (timed)
         self.timings = 0  # measurements run (observability, tests)
         self.observed = 0  # steps observed into the batch tables (observability, tests)
 
@@ -145,28 +146,18 @@ class StepCosts:
 
     def observe_step(self, depths: list[int], n_rows: int, seconds: float) -> None:
         """A step that `len(depths)` sequences shared (their cache depths), `n_rows` rows in all,
-        took `seconds` (its forward, logits and bookkeeping; drafting not included). The batch table
-        of each of their depth bands is piecewise linear in the rows between its points n, 2n, ...:
-        the step's error against that line moves the two points around `n_rows` (each by its share),
-        so the table follows what steps of this batch really cost on this machine now."""
+        took `seconds` (its forward, logits and bookkeeping; drafting not included): the batch table
+        of each of their depth bands moves its time at `n_rows` towards it (a running mean), so the
+        table follows what steps of this batch really cost on this machine now."""
         n = len(depths)
         if self.fixed is not None or n <= 1 or not seconds > 0 or OBSERVE_WEIGHT <= 0:
             return
         for band in {depth_band(d) for d in depths}:
             tab = self.batch.get((band, n))
-            if not tab:
+            i = n_rows - n
+            if not tab or i < 0 or i >= len(tab) or not math.isfinite(tab[i]):
                 continue
-            r0, j = divmod(n_rows, n)  # n_rows = n r0 + j: between the points r0 - 1 and r0 (0-based)
-            i0, w = r0 - 1, j / n
-            if i0 < 0 or i0 >= len(tab) or (w > 0 and i0 + 1 >= len(tab)) or not math.isfinite(tab[i0]):
-                continue
-            pred = tab[i0] if w == 0 else (1 - w) * tab[i0] + w * tab[i0 + 1]
-            if not math.isfinite(pred):
-                continue
-            err = OBSERVE_WEIGHT * (seconds - pred)
-            tab[i0] = max(tab[i0] + (1 - w) * err, 1e-9)
-            if w > 0:
-                tab[i0 + 1] = max(tab[i0 + 1] + w * err, 1e-9)
+            tab[i] = max(tab[i] + OBSERVE_WEIGHT * (seconds - tab[i]), 1e-9)
             self.observed += 1
 
     def needs(self, depth: int, n_rows: int, key) -> bool:
@@ -203,40 +194,66 @@ class StepCosts:
         return best, hidden
 
     def batch_costs(self, engine, seq, n_seqs: int, n_rows: int, base: Costs) -> Costs:
-        """The costs of a step that `n_seqs` sequences share: rows[r - 1] = T(n r rows) / T(n rows),
-        every sequence assumed to verify as many rows as this one (then each one's tokens per unit
-        of time is E(k) / (T(n (k + 1)) / T(n) + k d n T(1) / T(n))). A batch that is already
-        compute-bound makes drafts dear: at a few sequences the policy drafts less, at many none.
-        Row counts the caches cannot hold cost infinity (never chosen). Timed once per model,
-        depth band and batch size, on this sequence's cache, at n and 2 n rows only (every sequence
-        of the batch waits for these forwards: timing every count up to n (k + 1), 72 rows for 8
-        sequences and lookup's 8 drafts, stalled a fresh server's first batch of 8 for ~14 s on a
-        2-core VM); the larger counts continue that line (a batch of several sequences is
-        compute-bound past 2 n rows, where the cost per row stops falling), and the steps that
-        follow correct every point they reach (`observe_step`)."""
+        """The costs of a step that `n_seqs` sequences share, as one sequence's plan sees them:
+        rows[r - 1] = (T(n) + n (r - 1) m) / T(n), m the time of one more row once the step has more
+        rows than sequences, as if every sequence verified as many rows as this one (each one's rows
+        delay all n: then each one's tokens per unit of time is E(k) / (rows[k] + k d n T(1) / T(n))). The first row past n can cost more than m (the kernels run rows in tiles: a new
+        tile decodes the weights again); whether a step opens one is decided for the whole batch
+        after drafting (`batch_rows`, on `batch_table`), so a sequence drafts what would pay at m.
+        Row counts the caches cannot hold cost infinity (never chosen).
+
+        The batch table (`batch_table`: seconds at every total row count n .. n n_rows) is timed
+        once per model, depth band and batch size, on this sequence's cache, at n, n + 1 and 2 n
+        rows only (every sequence of the batch waits for these forwards: timing every count up to
+        n (k + 1), 72 rows for 8 sequences and lookup's 8 drafts, stalled a fresh server's first
+        batch of 8 for ~14 s on a 2-core VM): n + 1 .. 2 n on the line from the time at n + 1 to 2 n
+        (a tile of n rows, as on a machine whose kernels take 8 rows per tile with 8 sequences),
+        past 2 n the average slope from n to 2 n; the steps that follow correct every count they
+        run (`observe_step`)."""
         if self.fixed is not None or n_seqs <= 1:
             return base
         cache = seq.slot.cache
         band = depth_band(cache.length)
-        got = self.batch.get((band, n_seqs))
-        if got is None or len(got) < n_rows:
+        n = n_seqs
+        got = self.batch.get((band, n))
+        if got is None or len(got) < n * (n_rows - 1) + 1:
             cap = cache.max_len - cache.length - 1
-            counts = [n_seqs * r for r in range(1, min(n_rows, 2) + 1) if n_seqs * r <= cap]
+            counts = [c for c in (n, n + 1, 2 * n) if c <= cap] if n_rows > 1 else [n] if n <= cap else []
             if not counts or seq.x0 is None:
                 return base
-            t, _ = self._time_rows(engine, seq, counts, BATCH_REPS)
-            t1 = t[n_seqs]
-            t2 = t.get(2 * n_seqs, math.inf)
-            slope = max(t2 - t1, 0.0)
-            fits = [n_seqs * r <= cap for r in range(1, n_rows + 1)]
-            # r = 1 is the timed point itself (2 n rows may not fit: then slope is infinite)
-            got = [t1 if r == 1 else (t1 + (r - 1) * slope) if ok else math.inf
-                   for r, ok in zip(range(1, n_rows + 1), fits)]
+            t, _ = self._time_rows(engine, seq, sorted(set(counts)), BATCH_REPS)
+            t1 = t[n]
+            tj, t2 = t.get(n + 1, math.inf), t.get(2 * n, math.inf)
+            inner = max(t2 - tj, 0.0) / max(n - 1, 1)  # per row from n + 1 to 2 n
+            outer = max(t2 - t1, 0.0) / n  # per row past 2 n: rows and tiles together
+            got = []
+            for r in range(n, n * max(n_rows, 1) + 1):
+                if r > cap:
+                    got.append(math.inf)
+                elif r == n:
+                    got.append(t1)
+                elif r == n + 1:
+                    got.append(tj)
+                elif r <= 2 * n:
+                    got.append(tj + (r - n - 1) * inner)
+                else:
+                    got.append(t2 + (r - 2 * n) * outer)
             self.timings += 1
-            if all(fits):  # a cache short of room says nothing of the rows it could not hold
-                self.batch[(band, n_seqs)] = got
+            if all(math.isfinite(x) for x in got):  # a cache short of room says nothing of the rows it could not hold
+                self.batch[(band, n)] = got
+                self.batch_row[(band, n)] = inner
+        else:
+            inner = self.batch_row.get((band, n), (got[min(2 * n, len(got) - 1) - n] - got[0]) / n)
         one = max(got[0], 1e-9)
-        return Costs([x / one for x in got[:n_rows]], base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
+        # every sequence's rows delay all n of them: priced as if each verified as many (n (r - 1) rows)
+        rows = [1.0] + [(got[0] + n * (r - 1) * inner) / one if n * r - n < len(got) and math.isfinite(got[n * r - n])
+                        else math.inf for r in range(2, n_rows + 1)]
+        return Costs(rows, base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
+
+    def batch_table(self, depth: int, n_seqs: int) -> list[float] | None:
+        """Seconds of a step of `n_seqs` sequences at n_seqs, n_seqs + 1, ... rows in all, at this
+        depth band (None: not timed)."""
+        return self.batch.get((depth_band(depth), n_seqs))
 
     @torch.inference_mode()
     def measure(self, engine, seq, n_rows: int, proposer, key, reps: int = REPS) -> bool:
@@ -280,6 +297,31 @@ def set_step_costs(engine, rows: list[float] | None, draft: float = 0.0) -> None
     _COSTS[engine.model] = StepCosts(None if rows is None else Costs([float(x) for x in rows], float(draft)))
 
 
+def batch_rows(n_rows: int, gains: list[list[float]], musts: list[int], seconds) -> list[int]:
+    """How many of each sequence's drafts a step that several sequences share verifies.
+    n_rows: the step's rows without drafts (one per sequence); gains[j][i]: the tokens draft i of
+    sequence j is expected to add (the chance that it and every earlier draft of j are accepted:
+    non-increasing in i); musts[j]: its leading drafts verified whatever they cost (a probe);
+    seconds(R): the step's time at R rows in all. Drafts join in order of gain, and the count
+    with the most expected tokens per second wins: a row that opens a new tile of the kernels
+    costs more than the rows after it, so a few drafts alone may not pay where more would
+    (and the step stays plain where none would). -> per sequence, how many of its drafts."""
+    tokens = float(n_rows) + sum(sum(g[:m]) for g, m in zip(gains, musts))
+    rows = n_rows + sum(musts)
+    order = sorted(((g[i], i, j) for j, g in enumerate(gains) for i in range(musts[j], len(g))),
+                   key=lambda x: (-x[0], x[1], x[2]))
+    best, best_rate = 0, tokens / seconds(rows)
+    for n, (gain, _, _) in enumerate(order, 1):
+        tokens += gain
+        rate = tokens / seconds(rows + n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    keep = list(musts)
+    for _, i, j in order[:best]:
+        keep[j] = max(keep[j], i + 1)
+    return keep
+
+
 @dataclass
 class PolicyState:
     """One sequence's record: discounted counts per draft position."""
@@ -291,6 +333,9 @@ class PolicyState:
     probing: bool = False
     probe_ok: bool = False  # the last probe's draft was accepted
     confs: list[float] = field(default_factory=list)  # confidences of this step's kept drafts
+    gains: list[float] = field(default_factory=list)  # their expected tokens: P(accepted with all before)
+    must: int = 0  # leading drafts verified whatever a batch's plan says (a probe: the record's only way to learn)
+    gate: bool = True  # whether this step's record said drafting pays (else only a probe is drafted)
 
     def _grow(self, n: int) -> None:
         while len(self.reached) < n:
@@ -380,6 +425,7 @@ class CostPolicy:
             st.probe_ok = False
             if gate:
                 st.wait = PROBE_MIN
+        st.gate = gate
         if gate:
             return k_max
         return 1 if st.probing else 0  # the record says plain: one draft now and then
@@ -387,16 +433,19 @@ class CostPolicy:
     @staticmethod
     def keeper(st: PolicyState, costs: Costs):
         """The per-draft test for this step: keep(i, confidence) -> bool, recording kept confidences."""
-        st.confs = []
+        st.confs, st.gains, st.must = [], [], 0
         e, p = 1.0, 1.0
 
         def keep(i: int, conf: float) -> bool:
             nonlocal e, p
             a = st.calibrated(i, conf)
-            if not (st.probing and i == 0) and not keeps(i, a, e, p, costs.rows, costs.draft):
+            probe = st.probing and i == 0
+            if not probe and not keeps(i, a, e, p, costs.rows, costs.draft):
                 return False
             p *= a
             e += p
             st.confs.append(float(conf))
+            st.gains.append(p)
+            st.must += probe and not st.gate  # a probe the record asked for, not a first draft's pass
             return True
         return keep

@@ -16,6 +16,7 @@ protocol (`runtime/cache.py`): `cache.trim(rejected)` for KV caches and recurren
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import torch
 
 from ..runtime.kernels import argmax
 from ..runtime.sampling import Sampler
-from .policy import ChainPolicyState, CostPolicy, PolicyState, depth_band, step_costs
+from .policy import ChainPolicyState, CostPolicy, PolicyState, batch_rows, depth_band, step_costs
 # proposers import common_prefix from here
 from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
@@ -361,17 +362,44 @@ class SpeculativeDecoder:
             except Exception as e:  # noqa: BLE001
                 plans[i] = e
             ms[i] = (time.perf_counter() - t0) * 1e3
-        out = []
         for seq, pl, m in zip(seqs, plans, ms):
-            if not isinstance(pl, tuple):
-                out.append(pl)
-                continue
-            seq.stats.draft_ms += m
-            seq.step_draft_ms = m
-            if cfg.policy == "cost" and seq.costs is not None and engine is not None:
-                self._observe_draft(engine, seq, m, batch)
-            out.append([seq.x0] + seq.pending[0])
-        return out
+            if isinstance(pl, tuple):
+                seq.stats.draft_ms += m
+                seq.step_draft_ms = m
+                if cfg.policy == "cost" and seq.costs is not None and engine is not None:
+                    self._observe_draft(engine, seq, m, batch)  # per drafted token, verified or not
+        if cfg.policy == "cost" and engine is not None and batch > 1:
+            self._fit_to_batch([s for s, pl in zip(seqs, plans) if isinstance(pl, tuple)], engine, batch)
+        return [pl if not isinstance(pl, tuple) else [seq.x0] + seq.pending[0] for seq, pl in zip(seqs, plans)]
+
+    @staticmethod
+    def _fit_to_batch(seqs: list, engine, batch: int) -> None:
+        """Cut the step's drafts to those that pay for the whole batch's step (`policy.batch_rows`
+        on the batch's timed table): each sequence drafted what would pay at the price of a row
+        inside a tile of the kernels; the first row past one sequence each may cost more. Which
+        drafts are verified still depends on the drafts and past steps only: lossless."""
+        live = [s for s in seqs if s.pending[0] and s.costs is not None]
+        if not live:
+            return
+        tab = step_costs(engine).batch_table(max(s.slot.cache.length for s in live), batch)
+        if tab is None:
+            return
+
+        def seconds(rows: int) -> float:
+            i = rows - batch
+            return tab[min(max(i, 0), len(tab) - 1)] if i < len(tab) else math.inf
+
+        gains, musts = [], []
+        for s in live:
+            pol, n = s.policy, len(s.pending[0])
+            rec = pol.members[pol.active] if isinstance(pol, ChainPolicyState) and pol.active is not None else pol
+            g = list(getattr(rec, "gains", [])[:n])
+            gains.append(g if len(g) == n else [1.0] * n)
+            musts.append(min(rec.must, n) if len(g) == n else n)  # drafts it cannot price: all verified
+        for s, m in zip(live, batch_rows(batch, gains, musts, seconds)):
+            d, q = s.pending
+            if m < len(d):
+                s.pending = (d[:m], q[:m])
 
     def _limit(self, seq, engine, batch: int):
         """How many drafts `seq` asks for this step -> (k, keep rule, a chain's `Costs` or None), or
