@@ -309,6 +309,58 @@ def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatc
         assert h[0] >= 0.8 * sum(h), h  # steps shared by 3 sequences: plain
 
 
+def _shared(engine, spec, ids, params, n):
+    from mtpllm.runtime.scheduler import Scheduler
+    engine.reset()
+    sched = Scheduler(engine, spec, n_slots=n)
+    try:
+        reqs = [sched.submit(ids, params) for _ in range(n)]
+        return [list(r) for r in reqs]
+    finally:
+        sched.shutdown(1)
+
+
+def test_a_batch_step_opens_a_tile_only_for_drafts_that_pay_for_it(confident, monkeypatch):
+    """Rows priced inside a tile cost almost nothing (0.01 ms), the first row past the 3 sequences
+    opens a tile (9 ms): each sequence drafts (its rows look free), and the step's plan cuts the
+    drafts, because no 3 x 4 drafts of a 3-token step make up for 10x its time. Without the plan
+    (every draft kept) the same run verifies drafts on most steps. Lossless either way."""
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    calls = []
+
+    def fake(engine_, seq, counts, reps):  # tiles of 3 rows: 1 ms, then 10 ms past 3 rows
+        calls.append(tuple(counts))
+        _, hidden = real(engine_, seq, counts, 1)
+        return {r: (1 + 0.01 * r + (9.0 if r > 3 else 0.0)) * 1e-3 for r in counts}, hidden
+    real = StepCosts._time_rows
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
+    monkeypatch.setattr(policy, "OBSERVE_WEIGHT", 0.0)  # the timed table alone (the real steps are a tiny model's)
+    params = SamplingParams(**dict(GREEDY, max_tokens=40))
+    ids = engine.tokenizer.encode(PROMPT)
+    spec = cfg.build(engine)
+    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.0)
+    try:
+        engine.reset()
+        alone = engine.generate(prompt_ids=ids, params=params)
+        planned = _shared(engine, spec, ids, params, 3)
+        assert (3, 4, 6) in calls
+        monkeypatch.setattr(policy, "batch_rows", lambda n, gains, musts, seconds: [len(g) for g in gains])
+        from mtpllm.speculative import verifier
+        monkeypatch.setattr(verifier, "batch_rows", policy.batch_rows)
+        unplanned = _shared(engine, spec, ids, params, 3)
+    finally:
+        set_step_costs(engine, None)
+    for rs in planned + unplanned:
+        assert [x.token for x in rs if x.token is not None] == alone.tokens
+    for rs in planned:
+        h = rs[-1].stats.k_hist
+        assert h[0] >= 0.9 * sum(h), h
+    for rs in unplanned:
+        h = rs[-1].stats.k_hist
+        assert h[0] <= 0.5 * sum(h), h
+
+
 def test_batch_costs_arithmetic():
     """A sequence's rows are priced at the batch's row past its first one, every sequence assumed
     to verify as many (rows[r - 1] = (T(n) + n (r - 1) m) / T(n)); the draft cost is scaled to the
