@@ -147,14 +147,15 @@ class Attention(nn.Module):
         rows whose output nobody reads (an MTP head's catch-up). Only the projections run."""
         self.store_kv(self.qkv(x)[:, self.n_heads * self.hd:], positions, kv, layer)
 
-    def store_kv(self, kv_rows: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> None:
-        """Key norm, rotary and cache write of the key/value projections kv_rows [T, 2 KV hd]."""
+    def store_kv(self, kv_rows: torch.Tensor, positions: torch.Tensor, kv, layer: int):
+        """Key norm, rotary and cache write of the key/value projections kv_rows [T, 2 KV hd]
+        -> the cache's keys, values and their positions (`kv.update`)."""
         T, kv_sz = kv_rows.shape[0], self.n_kv * self.hd
         k = kv_rows[:, :kv_sz].view(T, self.n_kv, self.hd)
         v = kv_rows[:, kv_sz:2 * kv_sz].view(T, self.n_kv, self.hd)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        kv.update(layer, self.rotary(k, positions), v, positions)
+        return kv.update(layer, self.rotary(k, positions), v, positions)
 
     def _mix(self, qkv: torch.Tensor, positions: torch.Tensor, kv, layer: int) -> torch.Tensor:
         """Rotary, cache write and attention for qkv [T, ...] at `positions` -> [T, H * hd]."""
@@ -175,16 +176,13 @@ class Attention(nn.Module):
                 self.k_norm.weight if self.k_norm is not None else None,
                 self.q_norm.eps if self.q_norm is not None else 1e-6, self.window)
             return o
-        q_sz, kv_sz = self.n_heads * self.hd, self.n_kv * self.hd
-        v = qkv[:, q_sz + kv_sz:].view(T, self.n_kv, self.hd)
+        q_sz = self.n_heads * self.hd
+        q = qkv[:, :q_sz].view(T, self.n_heads, self.hd)
         if self.q_norm is not None:
-            q = self.q_norm(qkv[:, :q_sz].view(T, self.n_heads, self.hd))
-            k = self.k_norm(qkv[:, q_sz:q_sz + kv_sz].view(T, self.n_kv, self.hd))
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        else:  # q and k rotated in one pass (elementwise: the same values as separately)
-            qk = self.rotary(qkv[:, :q_sz + kv_sz].view(T, self.n_heads + self.n_kv, self.hd), positions)
-            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-        keys, values, key_pos = kv.update(layer, k, v, positions)  # [KV, L, D], [KV, L, D], [L]
+            q = self.q_norm(q)
+        q = self.rotary(q, positions)
+        # k: the entries an MTP head's catch-up writes alone (`store`), the same operations
+        keys, values, key_pos = self.store_kv(qkv[:, q_sz:], positions, kv, layer)  # [KV, L, D], [KV, L, D], [L]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         if 1 < T < GEMM_MIN_ROWS:
             # verification blocks: each query row attends exactly as in one-token decoding (same
