@@ -259,45 +259,44 @@ def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(ta
     assert table.timings == 2 and 1 in table.rows
 
 
-def _cliff_timer(monkeypatch, calls):
-    """Forward times of a CPU whose rows are nearly free up to 5 and then cost a step each:
-    T(r) = 1 + 0.02 r ms for r <= 5, r ms beyond (the real forwards still run; only their times
-    are replaced, so the cache roll-back is the real one)."""
+def _fake_timer(monkeypatch, calls, ms):
+    """Forward times replaced by ms(r) for r rows (the real forwards still run; only their times
+    are replaced, so the cache roll-back is the real one); each timing's row counts go to `calls`."""
     real = StepCosts._time_rows
 
     def fake(engine, seq, counts, reps):
         calls.append(tuple(counts))
         _, hidden = real(engine, seq, counts, 1)
-        return {r: (1 + 0.02 * r if r <= 5 else float(r)) * 1e-3 for r in counts}, hidden
+        return {r: ms(r) * 1e-3 for r in counts}, hidden
     monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
+
+
+def _timed_setup(confident, monkeypatch, ms, draft_ms: float):
+    """The confident model's engine, speculative decoder, prompt ids, 40 greedy tokens and the
+    list of timed row counts, with forward times ms(r) (default: a CPU whose rows are nearly free
+    up to 5 and then cost a step each, 1 + 0.02 r ms for r <= 5, r ms beyond) and drafting
+    `draft_ms` per token; the steps' observed times do not move the tables (a tiny model's)."""
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    calls = []
+    _fake_timer(monkeypatch, calls, ms or (lambda r: 1 + 0.02 * r if r <= 5 else float(r)))
+    monkeypatch.setattr(policy, "OBSERVE_WEIGHT", 0.0)
+    spec = cfg.build(engine)
+    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: draft_ms)
+    return engine, spec, engine.tokenizer.encode(PROMPT), SamplingParams(**dict(GREEDY, max_tokens=40)), calls
 
 
 def test_rows_are_priced_in_the_batch_that_shares_the_step(confident, monkeypatch):
     """The same good drafts: alone, rows are cheap and the policy verifies 4 drafts a step; with 3
     sequences in the step, 3 x 2 rows already fall past the cliff, so none of them drafts."""
-    from mtpllm.runtime.scheduler import Scheduler
-    engine, cfg = confident
-    set_step_costs(engine, None)
-    calls = []
-    _cliff_timer(monkeypatch, calls)
-    monkeypatch.setattr(policy, "OBSERVE_WEIGHT", 0.0)  # the timed table alone (the real steps are a tiny model's)
-    params = SamplingParams(**dict(GREEDY, max_tokens=40))
-    ids = engine.tokenizer.encode(PROMPT)
-    spec = cfg.build(engine)
     # the draft's time replaced too, in the same units as the rows (ms): 0.02 of a step
-    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.02)
+    engine, spec, ids, params, calls = _timed_setup(confident, monkeypatch, None, 0.02)
     try:
         engine.reset()
         alone = engine.generate(prompt_ids=ids, params=params, speculative=spec)
         assert alone.stats.k_hist[4] >= 0.8 * sum(alone.stats.k_hist)
         assert calls == [(1, 2, 3, 4, 5)]  # the one-sequence table: 1..k+1 rows
-        engine.reset()
-        sched = Scheduler(engine, spec, n_slots=3)
-        try:
-            reqs = [sched.submit(ids, params) for _ in range(3)]
-            outs = [list(r) for r in reqs]
-        finally:
-            sched.shutdown(1)
+        outs = _shared(engine, spec, ids, params, 3)
     finally:
         set_step_costs(engine, None)
     # the batch's table timed once (then reused), at n, n + 1 and 2 n rows: the rest continues those lines
@@ -325,21 +324,8 @@ def test_a_batch_step_opens_a_tile_only_for_drafts_that_pay_for_it(confident, mo
     opens a tile (9 ms): each sequence drafts (its rows look free), and the step's plan cuts the
     drafts, because no 3 x 4 drafts of a 3-token step make up for 10x its time. Without the plan
     (every draft kept) the same run verifies drafts on most steps. Lossless either way."""
-    engine, cfg = confident
-    set_step_costs(engine, None)
-    calls = []
-
-    def fake(engine_, seq, counts, reps):  # tiles of 3 rows: 1 ms, then 10 ms past 3 rows
-        calls.append(tuple(counts))
-        _, hidden = real(engine_, seq, counts, 1)
-        return {r: (1 + 0.01 * r + (9.0 if r > 3 else 0.0)) * 1e-3 for r in counts}, hidden
-    real = StepCosts._time_rows
-    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
-    monkeypatch.setattr(policy, "OBSERVE_WEIGHT", 0.0)  # the timed table alone (the real steps are a tiny model's)
-    params = SamplingParams(**dict(GREEDY, max_tokens=40))
-    ids = engine.tokenizer.encode(PROMPT)
-    spec = cfg.build(engine)
-    monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.0)
+    engine, spec, ids, params, calls = _timed_setup(
+        confident, monkeypatch, lambda r: 1 + 0.01 * r + (9.0 if r > 3 else 0.0), 0.0)  # 10 ms past 3 rows
     try:
         engine.reset()
         alone = engine.generate(prompt_ids=ids, params=params)
