@@ -8,7 +8,7 @@ from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import policy
 from mtpllm.speculative import SpecConfig
-from mtpllm.speculative.policy import (PROBE_MAX, batch_rows, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
+from mtpllm.speculative.policy import (PROBE_MAX, BatchTable, batch_rows, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
 from tiny import gpt2_vocab, make_tiny
 
@@ -236,6 +236,55 @@ def test_chain_members_are_priced_on_their_own_records(confident):
     assert pol.members[1].reached[0] == 1.0 and pol.members[0].reached[0] < 20 and pol.active is None
 
 
+def test_a_chain_drafts_a_batch_as_each_sequence_alone_and_fails_only_the_faulty_one(confident, monkeypatch):
+    """`ChainProposer.propose_priced_batch` gives each sequence the drafts, active member and record
+    that `propose_priced` gives it alone; a sequence whose drafting raises gets its exception back
+    while the others draft, and no record counts the step twice."""
+    import copy
+
+    from mtpllm.runtime.sampling import Sampler
+    from mtpllm.speculative.policy import ChainPolicyState
+    engine, dcfg = confident
+    chain = SpecConfig("ngram", 4, prompt_lookup_min=1, policy="cost",
+                       fallback=SpecConfig("draft_model", 2, draft_model=dcfg.draft_model)).build(engine).proposer
+    costs = Costs([1.0, 1.3, 1.6, 1.9, 2.2], 0.05)
+    hists = [[5, 6, 7, 8] * 3 + [5, 6], [30 + i for i in range(14)], [40 + i for i in range(9)]]
+
+    def run(batched, fail=None):
+        sts, pols = [chain.new_state() for _ in hists], [ChainPolicyState(2) for _ in hists]
+        for pol in pols:  # lookup's matches do not pay on this record: its step goes to the draft model
+            for _ in range(20):
+                pol.members[0].observe([0.9, 0.9], 0)
+        real = type(chain.proposers[1]).propose
+
+        def propose(self, st, history, *a, **k):
+            if history == fail:
+                raise RuntimeError("drafting failed")
+            return real(self, st, history, *a, **k)
+        monkeypatch.setattr(type(chain.proposers[1]), "propose", propose)
+        smp = [Sampler(SamplingParams(temperature=0)) for _ in hists]
+        if batched:
+            got = chain.propose_priced_batch(sts, hists, [4] * 3, smp, 0.0, 0.0, pols, [costs] * 3)
+        else:
+            got = []
+            for st, h, sm, pol in zip(sts, hists, smp, pols):
+                try:
+                    got.append(chain.propose_priced(st, h, 4, sm, 0.0, 0.0, pol, costs))
+                except RuntimeError as e:
+                    got.append(e)
+        monkeypatch.setattr(type(chain.proposers[1]), "propose", real)
+        return got, [(p.active, st.last, [copy.copy(vars(m)) for m in p.members]) for p, st in zip(pols, sts)]
+
+    alone, alone_recs = run(False)
+    together, together_recs = run(True)
+    assert together == alone and together_recs == alone_recs
+    assert alone[0][0] and alone_recs[0][:2] == (1, "draft_model")  # the draft model drafted
+    assert alone_recs[0][2][0]["idle"] == 1  # lookup's dropped match: one plain step of its, once
+    got, recs = run(True, fail=hists[0])
+    assert isinstance(got[0], RuntimeError) and got[1:] == alone[1:] and recs[1:] == alone_recs[1:]
+    assert recs[0][2][0]["idle"] == 1
+
+
 def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(target):
     set_step_costs(target, None)
     table = step_costs(target)
@@ -331,7 +380,7 @@ def test_a_batch_step_opens_a_tile_only_for_drafts_that_pay_for_it(confident, mo
         alone = engine.generate(prompt_ids=ids, params=params)
         planned = _shared(engine, spec, ids, params, 3)
         assert (3, 4, 6) in calls
-        monkeypatch.setattr(policy, "batch_rows", lambda n, gains, musts, seconds: [len(g) for g in gains])
+        monkeypatch.setattr(policy, "batch_rows", lambda n, gains, musts, seconds, fixed=0: [len(g) for g in gains])
         from mtpllm.speculative import verifier
         monkeypatch.setattr(verifier, "batch_rows", policy.batch_rows)
         unplanned = _shared(engine, spec, ids, params, 3)
@@ -352,8 +401,7 @@ def test_batch_costs_arithmetic():
     to verify as many (rows[r - 1] = (T(n) + n (r - 1) m) / T(n)); the draft cost is scaled to the
     batch's step."""
     t = StepCosts()
-    t.batch[(0, 2)] = [2e-3, 2.6e-3, 3e-3, 5e-3, 8e-3]  # 2..6 rows
-    t.batch_row[(0, 2)] = 0.5e-3
+    t.batch[(0, 2)] = BatchTable([2e-3, 2.5e-3, 3e-3, 5e-3, 8e-3])  # 2..6 rows: 0.5 ms per row from 3 to 4
     base = Costs([1.0, 1.1, 1.2], 0.05, 1.0)
 
     class Seq:  # only the cache's depth is read when the table already has the batch's times
@@ -365,7 +413,10 @@ def test_batch_costs_arithmetic():
     assert c.rows == pytest.approx([1.0, 1.5, 2.0]) and c.step_ms == 2.0
     assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
     assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
-    assert t.batch_table(10, 2) is t.batch[(0, 2)] and t.batch_table(600, 2) is None
+    assert t.batch_table(10, 2) == t.batch[(0, 2)].timed and t.batch_table(600, 2) is None
+    t.batch[(0, 2)].off = 1e-3  # what the steps run add to every count not run yet: in the prices too
+    assert t.batch_table(10, 2) == pytest.approx([3e-3, 3.5e-3, 4e-3, 6e-3, 9e-3])
+    assert t.batch_costs(None, Seq, 2, 3, base).rows == pytest.approx([1.0, 4 / 3, 5 / 3])
 
 
 def test_a_batch_table_is_timed_at_n_n_plus_1_and_2n_rows_and_extended(monkeypatch):
@@ -389,7 +440,7 @@ def test_a_batch_table_is_timed_at_n_n_plus_1_and_2n_rows_and_extended(monkeypat
     base = Costs([1.0] * 5, 0.0, 1.0)
     c = t.batch_costs(None, Seq, 4, 5, base)
     assert calls == [(4, 5, 8)]
-    tab = t.batch[(0, 4)]
+    tab = t.batch_table(10, 4)
     assert len(tab) == 17  # 4 .. 20 rows
     assert tab[:5] == pytest.approx([3e-3, 5e-3, 5.5e-3, 6e-3, 6.5e-3])  # 4, 5 (the jump), 6, 7, 8
     assert tab[16] == pytest.approx(6.5e-3 + 12 * 3.5e-3 / 4)  # 20 rows: 12 past 2 n at (6.5 - 3) / 4 ms
@@ -408,24 +459,36 @@ def test_a_batch_table_is_timed_at_n_n_plus_1_and_2n_rows_and_extended(monkeypat
 
 
 def test_observed_steps_move_the_batch_table():
-    """A step's observed time moves the table's time at its row count (a running mean): repeated
-    steps of one cost bring it to that cost; the other counts stay."""
+    """A step's observed time moves the table's time at its own row count (a running mean); the
+    counts no step has run yet are priced at their timed time plus the mean error of the steps
+    observed so far (plain steps, the most frequent, carry bookkeeping the timed forwards lack:
+    the counts never run must not look cheap beside them); a count once run keeps its own time."""
     t = StepCosts()
-    t.batch[(0, 2)] = [2e-3, 3e-3, 8e-3]
-    for _ in range(200):
-        t.observe_step([10, 20], 3, 5e-3)
-    assert t.batch[(0, 2)] == pytest.approx([2e-3, 5e-3, 8e-3])
-    assert t.observed == 200
+    t.batch[(0, 2)] = BatchTable([2e-3, 3e-3, 8e-3])
+    for _ in range(300):
+        t.observe_step([10, 20], 2, 2.5e-3)  # plain steps: 0.5 ms more than timed
+    tab = t.batch_table(10, 2)
+    assert tab == pytest.approx([2.5e-3, 3.5e-3, 8.5e-3])
+    for _ in range(300):
+        t.observe_step([10, 20], 4, 12e-3)  # the 4-row steps: 4 ms dearer than timed
+    tab = t.batch_table(10, 2)
+    assert tab[0] == pytest.approx(2.5e-3) and tab[2] == pytest.approx(12e-3)
+    assert tab[1] == pytest.approx(3e-3 + 4e-3)  # never run: the latest mean error
+    assert t.observed == 600
     # every band the sequences are in learns from the step; other batch sizes and bands do not
-    t.batch[(1, 2)] = [4e-3, 6e-3]
-    t.batch[(0, 3)] = [4e-3, 6e-3]
-    t.observe_step([10, 600], 2, 3e-3)
-    assert t.batch[(0, 2)][0] > 2e-3 and t.batch[(1, 2)][0] < 4e-3 and t.batch[(0, 3)] == [4e-3, 6e-3]
-    before = {k: list(v) for k, v in t.batch.items()}
+    t.batch[(1, 2)] = BatchTable([4e-3, 6e-3])
+    t.batch[(0, 3)] = BatchTable([4e-3, 6e-3])
+    t.observe_step([10, 600], 2, 2e-3)
+    assert t.batch_table(10, 2)[0] < 2.5e-3 and t.batch_table(600, 2)[0] < 4e-3
+    assert t.batch_table(10, 3) == [4e-3, 6e-3]
+
+    def state():
+        return {k: (list(v.now), v.off, set(v.seen)) for k, v in t.batch.items()}
+    before = state()
     t.observe_step([10], 1, 1.0)  # one sequence: its own table, not a batch's
     t.observe_step([10, 20], 5, 1.0)  # past the table's last count: nothing to move
     t.observe_step([10, 20], 1, 1.0)  # fewer rows than sequences: not a step of theirs
-    assert t.batch == before
+    assert state() == before
     fixed = StepCosts(Costs([1.0, 1.2], 0.1))
     fixed.observe_step([1, 2], 2, 1.0)
     fixed.observe_draft("k", 1, 100.0, 1)
@@ -453,6 +516,9 @@ def test_batch_rows_opens_a_tile_only_when_its_drafts_pay():
     mixed = [[0.3], [0.9, 0.81], [0.9], [0.05]] + [[] for _ in range(4)]
     got = batch_rows(8, mixed, [1, 0, 0, 0] + [0] * 4, seconds)
     assert got == [1, 2, 1, 0] + [0] * 4
+    # draft rows the plan cannot cut (another decoder's) have opened the tile already: good drafts join
+    assert batch_rows(8, many[:1] + none[1:], [0] * 8, seconds, fixed=4) == [1] + [0] * 7
+    assert batch_rows(8, many[:1] + none[1:], [0] * 8, seconds) == [0] * 8
     # a sequence's drafts join in order (on equal gains, first drafts before second ones), and row
     # counts past the table are never chosen
     ties = [[0.9, 0.9, 0.9]] + [[0.9] for _ in range(7)]

@@ -296,10 +296,12 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> list[int] | int:
     """torch.argmax(x, -1) of float32 logits [V] (-> int) or [T, V] (-> list of T ints): the first
     index of each row's maximum, a NaN counting as the maximum (csrc/decode.cpp; torch's own where the
-    kernels are not built or x is not a CPU float32 tensor)."""
+    kernels are not built yet or x is not a CPU float32 tensor: a greedy sample never starts their
+    build)."""
     rows = x.unsqueeze(0) if x.dim() == 1 else x
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0 and available():
-        got = _op("argmax_rows")(rows).tolist()
+    op = _state.get("argmax_rows")
+    if op is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0:
+        got = op(rows).tolist()
     else:
         got = rows.argmax(-1).tolist()
     return got[0] if x.dim() == 1 else got

@@ -14,6 +14,8 @@ head's cache of trunk hidden states) stay in step with the trunk.
 """
 from __future__ import annotations
 
+import time
+
 
 class ChainState:
     """The members' states of one sequence, and which member drafted its last step."""
@@ -67,16 +69,20 @@ class ChainProposer:
         (drafting priced at the slowest member's, which lookup does not pay). A member without
         `probe_ms` (lookup) drafts first and its drafts are then kept while they pay for their rows
         on its record; a member with one plans its length from its record before it drafts."""
-        return self.propose_priced_batch([st], [history], [k], [sampler], p_min, p_cum, [pol], [costs])[0]
+        got = self.propose_priced_batch([st], [history], [k], [sampler], p_min, p_cum, [pol], [costs])[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def propose_priced_batch(self, sts: list, histories: list, ks: list[int], samplers: list, p_min: float,
                              p_cum: float, pols: list, costs: list, ms: list | None = None) -> list:
         """`propose_priced` for several sequences that share a step: each member drafts once for all
         the sequences that reach it (one `propose_batch` pass of a head for all of them: its weights
         read once per draft position, each sequence's drafts exactly those it drafts alone).
-        -> [(drafts, qs)] per sequence; `ms`, when given, gets each sequence's share of the drafting
+        -> [(drafts, qs)] per sequence, or the exception that sequence's drafting raised (a member's
+        batched pass that fails is run again for each sequence alone, so the others still draft and
+        no record counts a step twice); `ms`, when given, gets each sequence's share of the drafting
         time added (a pass's time split among the sequences it drafted for)."""
-        import time
         from dataclasses import replace
 
         from .policy import CostPolicy
@@ -90,7 +96,11 @@ class ChainProposer:
             if not hasattr(p, "probe_ms"):  # free to propose: look first, then price the rows
                 run = todo
                 for j in todo:
-                    drafts, qs = p.propose(sts[j].states[i], histories[j], min(ks[j], kp), samplers[j], p_min, p_cum)
+                    try:
+                        drafts, qs = p.propose(sts[j].states[i], histories[j], min(ks[j], kp), samplers[j], p_min, p_cum)
+                    except Exception as e:  # noqa: BLE001 - this sequence's failure only
+                        got[j] = e
+                        continue
                     if not drafts:
                         continue  # no match: not a plain step of this member's
                     rec, c = pols[j].members[i], replace(costs[j], draft=0.0)
@@ -105,10 +115,19 @@ class ChainProposer:
                 keeps = [CostPolicy.keeper(pols[j].members[i], costs[j]) for j in run]
                 args = ([sts[j].states[i] for j in run], [histories[j] for j in run], [asked[j] for j in run],
                         [samplers[j] for j in run])
+                res = None
                 if len(run) > 1 and hasattr(p, "propose_batch"):
-                    res = p.propose_batch(*args, p_min, p_cum, keeps)
-                else:
-                    res = [p.propose(st, h, n, smp, p_min, p_cum, keep=kp_) for st, h, n, smp, kp_ in zip(*args, keeps)]
+                    try:
+                        res = p.propose_batch(*args, p_min, p_cum, keeps)
+                    except Exception:  # noqa: BLE001 - states as before the call: each one alone below
+                        res = None
+                if res is None:
+                    res = []
+                    for st, h, n, smp, kp_ in zip(*args, keeps):
+                        try:
+                            res.append(p.propose(st, h, n, smp, p_min, p_cum, keep=kp_))
+                        except Exception as e:  # noqa: BLE001 - this sequence's failure only
+                            res.append(e)
                 got.update(zip(run, res))
             if ms is not None and run:
                 share = (time.perf_counter() - t0) * 1e3 / len(run)
@@ -116,6 +135,9 @@ class ChainProposer:
                     ms[j] += share
             left = []
             for j in todo:
+                if isinstance(got.get(j), BaseException):
+                    out[j] = got[j]
+                    continue
                 drafts, qs = got.get(j, ([], []))
                 if drafts:
                     pols[j].active, sts[j].last = i, self.names[i]

@@ -103,6 +103,33 @@ class Costs:
     step_ms: float = 0.0  # the one-row step measured
 
 
+class BatchTable:
+    """Seconds of a step that n sequences share at every total row count n, n + 1, ... (index
+    R - n): the timed estimate, corrected count by count by the steps that run. A count that no
+    step has run yet is priced at its timed time plus the mean error the steps showed so far (what
+    every step adds to its timed forward, its bookkeeping for one; a timing that was too cheap
+    everywhere): so the counts that run often cannot make the ones never run look cheap."""
+
+    def __init__(self, timed: list[float]):
+        self.timed = list(timed)
+        self.now = list(timed)
+        self.seen: set[int] = set()
+        self.off = 0.0  # running mean of (observed - timed) over every observed step
+
+    def __len__(self) -> int:
+        return len(self.now)
+
+    def seconds(self) -> list[float]:
+        return [x if i in self.seen else x + self.off for i, x in enumerate(self.now)]
+
+    def observe(self, i: int, seconds: float, weight: float) -> None:
+        if i not in self.seen:
+            self.now[i] += self.off
+            self.seen.add(i)
+        self.now[i] = max(self.now[i] + weight * (seconds - self.now[i]), 1e-9)
+        self.off += weight * (seconds - self.timed[i] - self.off)
+
+
 class StepCosts:
     """The costs of one model on this machine by depth band: measured on first use (`measure`), or
     given (`fixed`: the same at every depth, never timed)."""
@@ -112,8 +139,7 @@ class StepCosts:
         self.rows: dict[int, tuple[list[float], float]] = {}  # band -> (row costs, one-row ms)
         self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
         self.draft_seen: dict[tuple, float] = {}  # the same, as decoding observes it (running mean)
-        self.batch: dict[tuple, list[float]] = {}  # (band, sequences n) -> seconds at n, n + 1, ... rows
-        self.batch_row: dict[tuple, float] = {}  # (band, n) -> seconds of a row past n + 1 (timed)
+        self.batch: dict[tuple, BatchTable] = {}  # (band, sequences n) -> seconds at n, n + 1, ... rows
         self.timings = 0  # measurements run (observability, tests)
         self.observed = 0  # steps observed into the batch tables (observability, tests)
 
@@ -146,18 +172,19 @@ class StepCosts:
 
     def observe_step(self, depths: list[int], n_rows: int, seconds: float) -> None:
         """A step that `len(depths)` sequences shared (their cache depths), `n_rows` rows in all,
-        took `seconds` (its forward, logits and bookkeeping; drafting not included): the batch table
-        of each of their depth bands moves its time at `n_rows` towards it (a running mean), so the
-        table follows what steps of this batch really cost on this machine now."""
+        took `seconds` (its forward, logits and bookkeeping; drafting not included): the batch
+        table of each of their depth bands moves its time at `n_rows` towards it (a running mean)
+        and learns from it what steps add to their timed forwards (`BatchTable`), so the table
+        follows what steps of this batch really cost on this machine now."""
         n = len(depths)
         if self.fixed is not None or n <= 1 or not seconds > 0 or OBSERVE_WEIGHT <= 0:
             return
         for band in {depth_band(d) for d in depths}:
             tab = self.batch.get((band, n))
             i = n_rows - n
-            if not tab or i < 0 or i >= len(tab) or not math.isfinite(tab[i]):
+            if tab is None or i < 0 or i >= len(tab) or not math.isfinite(tab.now[i]):
                 continue
-            tab[i] = max(tab[i] + OBSERVE_WEIGHT * (seconds - tab[i]), 1e-9)
+            tab.observe(i, seconds, OBSERVE_WEIGHT)
             self.observed += 1
 
     def needs(self, depth: int, n_rows: int, key) -> bool:
@@ -196,64 +223,71 @@ class StepCosts:
     def batch_costs(self, engine, seq, n_seqs: int, n_rows: int, base: Costs) -> Costs:
         """The costs of a step that `n_seqs` sequences share, as one sequence's plan sees them:
         rows[r - 1] = (T(n) + n (r - 1) m) / T(n), m the time of one more row once the step has more
-        rows than sequences, as if every sequence verified as many rows as this one (each one's rows
-        delay all n: then each one's tokens per unit of time is E(k) / (rows[k] + k d n T(1) / T(n))). The first row past n can cost more than m (the kernels run rows in tiles: a new
-        tile decodes the weights again); whether a step opens one is decided for the whole batch
-        after drafting (`batch_rows`, on `batch_table`), so a sequence drafts what would pay at m.
-        Row counts the caches cannot hold cost infinity (never chosen).
-
-        The batch table (`batch_table`: seconds at every total row count n .. n n_rows) is timed
-        once per model, depth band and batch size, on this sequence's cache, at n, n + 1 and 2 n
-        rows only (every sequence of the batch waits for these forwards: timing every count up to
-        n (k + 1), 72 rows for 8 sequences and lookup's 8 drafts, stalled a fresh server's first
-        batch of 8 for ~14 s on a 2-core VM): n + 1 .. 2 n on the line from the time at n + 1 to 2 n
-        (a tile of n rows, as on a machine whose kernels take 8 rows per tile with 8 sequences),
-        past 2 n the average slope from n to 2 n; the steps that follow correct every count they
-        run (`observe_step`)."""
+        rows than sequences (the batch table's slope from n + 1 to 2 n rows), as if every sequence
+        verified as many rows as this one (each one's rows delay all n: then each one's tokens per
+        unit of time is E(k) / (rows[k] + k d n T(1) / T(n))). The first row past n can cost more
+        than m (the kernels run rows in tiles: a new tile decodes the weights again); whether a step
+        opens one is decided for the whole batch after drafting (`batch_rows`, on `batch_table`),
+        so a sequence drafts what would pay at m. Row counts the caches cannot hold cost infinity
+        (never chosen)."""
         if self.fixed is not None or n_seqs <= 1:
             return base
-        cache = seq.slot.cache
-        band = depth_band(cache.length)
-        n = n_seqs
-        got = self.batch.get((band, n))
+        cache, n = seq.slot.cache, n_seqs
+        got = self.batch_table(cache.length, n)
         if got is None or len(got) < n * (n_rows - 1) + 1:
-            cap = cache.max_len - cache.length - 1
-            counts = [c for c in (n, n + 1, 2 * n) if c <= cap] if n_rows > 1 else [n] if n <= cap else []
-            if not counts or seq.x0 is None:
+            got = self._time_batch(engine, seq, n, n_rows)
+            if got is None:
                 return base
-            t, _ = self._time_rows(engine, seq, sorted(set(counts)), BATCH_REPS)
-            t1 = t[n]
-            tj, t2 = t.get(n + 1, math.inf), t.get(2 * n, math.inf)
-            inner = max(t2 - tj, 0.0) / max(n - 1, 1)  # per row from n + 1 to 2 n
-            outer = max(t2 - t1, 0.0) / n  # per row past 2 n: rows and tiles together
-            got = []
-            for r in range(n, n * max(n_rows, 1) + 1):
-                if r > cap:
-                    got.append(math.inf)
-                elif r == n:
-                    got.append(t1)
-                elif r == n + 1:
-                    got.append(tj)
-                elif r <= 2 * n:
-                    got.append(tj + (r - n - 1) * inner)
-                else:
-                    got.append(t2 + (r - 2 * n) * outer)
-            self.timings += 1
-            if all(math.isfinite(x) for x in got):  # a cache short of room says nothing of the rows it could not hold
-                self.batch[(band, n)] = got
-                self.batch_row[(band, n)] = inner
-        else:
-            inner = self.batch_row.get((band, n), (got[min(2 * n, len(got) - 1) - n] - got[0]) / n)
         one = max(got[0], 1e-9)
+        inner = (got[n] - got[1]) / (n - 1) if len(got) > n else math.inf  # per row from n + 1 to 2 n
+        inner = max(inner, 0.0) if math.isfinite(inner) else math.inf
         # every sequence's rows delay all n of them: priced as if each verified as many (n (r - 1) rows)
-        rows = [1.0] + [(got[0] + n * (r - 1) * inner) / one if n * r - n < len(got) and math.isfinite(got[n * r - n])
-                        else math.inf for r in range(2, n_rows + 1)]
+        rows = [1.0] + [(got[0] + n * (r - 1) * inner) / one
+                        if n * r - n < len(got) and math.isfinite(got[n * r - n]) else math.inf
+                        for r in range(2, n_rows + 1)]
         return Costs(rows, base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
+
+    def _time_batch(self, engine, seq, n: int, n_rows: int) -> list[float] | None:
+        """The batch table of n sequences at this sequence's depth band (seconds at every total row
+        count n .. n n_rows), timed on its cache at n, n + 1 and 2 n rows only (every sequence of
+        the batch waits for these forwards: timing every count up to n (k + 1), 72 rows for 8
+        sequences and lookup's 8 drafts, stalled a fresh server's first batch of 8 for ~14 s on a
+        2-core VM): n + 1 .. 2 n on the line from the time at n + 1 to 2 n (a tile of n rows, as
+        on a machine whose kernels take 8 rows per tile with 8 sequences), past 2 n the average
+        slope from n to 2 n. Stored (and then corrected by the steps that run, `observe_step`)
+        only when the cache had room for every count; None when it has no room for n rows."""
+        cache = seq.slot.cache
+        cap = cache.max_len - cache.length - 1
+        counts = sorted({c for c in ((n, n + 1, 2 * n) if n_rows > 1 else (n,)) if c <= cap})
+        if n > cap or seq.x0 is None:
+            return None
+        t, _ = self._time_rows(engine, seq, counts, BATCH_REPS)
+        t1, tj, t2 = t[n], t.get(n + 1, math.inf), t.get(2 * n, math.inf)
+        finite = math.isfinite(tj) and math.isfinite(t2)
+        inner = max(t2 - tj, 0.0) / (n - 1) if finite else math.inf
+        outer = max(t2 - t1, 0.0) / n if finite else math.inf
+        got = []
+        for r in range(n, n * max(n_rows, 1) + 1):
+            if r > cap:
+                got.append(math.inf)
+            elif r == n:
+                got.append(t1)
+            elif r == n + 1:
+                got.append(tj)
+            elif r <= 2 * n:
+                got.append(tj + (r - n - 1) * inner)
+            else:
+                got.append(t2 + (r - 2 * n) * outer)
+        self.timings += 1
+        if all(math.isfinite(x) for x in got):  # a cache short of room says nothing of the rows it could not hold
+            self.batch[(depth_band(cache.length), n)] = BatchTable(got)
+        return got
 
     def batch_table(self, depth: int, n_seqs: int) -> list[float] | None:
         """Seconds of a step of `n_seqs` sequences at n_seqs, n_seqs + 1, ... rows in all, at this
-        depth band (None: not timed)."""
-        return self.batch.get((depth_band(depth), n_seqs))
+        depth band, as the steps run have corrected it (None: not timed)."""
+        tab = self.batch.get((depth_band(depth), n_seqs))
+        return None if tab is None else tab.seconds()
 
     @torch.inference_mode()
     def measure(self, engine, seq, n_rows: int, proposer, key, reps: int = REPS) -> bool:
@@ -297,17 +331,18 @@ def set_step_costs(engine, rows: list[float] | None, draft: float = 0.0) -> None
     _COSTS[engine.model] = StepCosts(None if rows is None else Costs([float(x) for x in rows], float(draft)))
 
 
-def batch_rows(n_rows: int, gains: list[list[float]], musts: list[int], seconds) -> list[int]:
+def batch_rows(n_rows: int, gains: list[list[float]], musts: list[int], seconds, fixed: int = 0) -> list[int]:
     """How many of each sequence's drafts a step that several sequences share verifies.
     n_rows: the step's rows without drafts (one per sequence); gains[j][i]: the tokens draft i of
     sequence j is expected to add (the chance that it and every earlier draft of j are accepted:
     non-increasing in i); musts[j]: its leading drafts verified whatever they cost (a probe);
-    seconds(R): the step's time at R rows in all. Drafts join in order of gain, and the count
+    seconds(R): the step's time at R rows in all; fixed: draft rows of the step that this plan does
+    not cut (counted in its rows, not in its tokens). Drafts join in order of gain, and the count
     with the most expected tokens per second wins: a row that opens a new tile of the kernels
     costs more than the rows after it, so a few drafts alone may not pay where more would
     (and the step stays plain where none would). -> per sequence, how many of its drafts."""
     tokens = float(n_rows) + sum(sum(g[:m]) for g, m in zip(gains, musts))
-    rows = n_rows + sum(musts)
+    rows = n_rows + fixed + sum(musts)
     order = sorted(((g[i], i, j) for j, g in enumerate(gains) for i in range(musts[j], len(g))),
                    key=lambda x: (-x[0], x[1], x[2]))
     best, best_rate = 0, tokens / seconds(rows)

@@ -311,9 +311,10 @@ class SpeculativeDecoder:
         """`plan` for sequences that share one step (`batch`: all the step's sequences, default
         these): each one's draft length from its own record and costs, then one drafting pass for
         all of them where the proposer has one (`propose_batch`: the head's weights read once per
-        draft position, each sequence's drafts exactly those it drafts alone). -> per sequence its
-        rows, None where its context is full, or the exception its planning raised (it fails that
-        sequence only)."""
+        draft position, each sequence's drafts exactly those it drafts alone), then, under the cost
+        policy with several sequences in the step, the cut of the drafts that do not pay for the
+        whole step (`_fit_to_batch`). -> per sequence its rows, None where its context is full, or
+        the exception its planning raised (it fails that sequence only)."""
         batch = len(seqs) if batch is None else batch
         cfg = self.cfg
         plans: list = []
@@ -345,7 +346,11 @@ class SpeculativeDecoder:
             except Exception:  # noqa: BLE001 - find whose it is: each one alone below
                 continue
             for i, pending, m in zip(group, got, shares):
-                seqs[i].pending, ms[i] = pending, m
+                if isinstance(pending, BaseException):  # that sequence's own failure (a chain's member alone)
+                    plans[i] = pending
+                else:
+                    seqs[i].pending = pending
+                ms[i] = m
             together += group
         for i, (seq, pl) in enumerate(zip(seqs, plans)):
             if not isinstance(pl, tuple) or i in together:
@@ -381,6 +386,7 @@ class SpeculativeDecoder:
         live = [s for s in seqs if s.pending[0] and s.costs is not None]
         if not live:
             return
+        fixed = sum(len(s.pending[0]) for s in seqs if s.pending[0] and s.costs is None)  # not priced: all verified
         tab = step_costs(engine).batch_table(max(s.slot.cache.length for s in live), batch)
         if tab is None:
             return
@@ -396,7 +402,7 @@ class SpeculativeDecoder:
             g = list(getattr(rec, "gains", [])[:n])
             gains.append(g if len(g) == n else [1.0] * n)
             musts.append(min(rec.must, n) if len(g) == n else n)  # drafts it cannot price: all verified
-        for s, m in zip(live, batch_rows(batch, gains, musts, seconds)):
+        for s, m in zip(live, batch_rows(batch, gains, musts, seconds, fixed)):
             d, q = s.pending
             if m < len(d):
                 s.pending = (d[:m], q[:m])
