@@ -182,7 +182,7 @@ class StepCosts:
         for band in {depth_band(d) for d in depths}:
             tab = self.batch.get((band, n))
             i = n_rows - n
-            if tab is None or i < 0 or i >= len(tab) or not math.isfinite(tab.now[i]):
+            if tab is None or i < 0 or i >= len(tab):  # a stored table is finite at every count
                 continue
             tab.observe(i, seconds, OBSERVE_WEIGHT)
             self.observed += 1
@@ -267,7 +267,7 @@ class StepCosts:
         inner = max(t2 - tj, 0.0) / (n - 1) if finite else math.inf
         outer = max(t2 - t1, 0.0) / n if finite else math.inf
         got = []
-        for r in range(n, n * max(n_rows, 1) + 1):
+        for r in range(n, n * n_rows + 1):
             if r > cap:
                 got.append(math.inf)
             elif r == n:

@@ -393,7 +393,7 @@ class SpeculativeDecoder:
 
         def seconds(rows: int) -> float:
             i = rows - batch
-            return tab[min(max(i, 0), len(tab) - 1)] if i < len(tab) else math.inf
+            return tab[max(i, 0)] if i < len(tab) else math.inf
 
         gains, musts = [], []
         for s in live:
