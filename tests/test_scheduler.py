@@ -8,7 +8,8 @@ import torch
 from mtpllm.errors import MtpllmError
 from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
-from mtpllm.runtime.scheduler import QueueFull, Scheduler
+from mtpllm.runtime.scheduler import QueueFull, Scheduler, choose_slot
+from mtpllm.runtime.sequence import Slot
 from mtpllm.speculative import SpecConfig
 from tiny import make_tiny
 
@@ -472,3 +473,19 @@ def test_chunked_prefill_on_a_hybrid_model(tmp_path):
         _drain_into(b, got[1])
         assert steps < 200
     assert [[(r.token, r.logprob, r.top_logprobs) for r in g if r.token is not None] for g in got] == want
+
+
+def test_choose_slot_as_llama_server():
+    """The slot sharing the longest prefix, when that prefix is over half of what it caches; else the
+    least recently used (never used first, then by index)."""
+    def slot(i, tokens, used):
+        s = Slot(None, i)
+        s.tokens, s.last_used = tokens, used
+        return s
+    a, b, c = slot(0, [1, 2, 3, 4, 5, 6], 5), slot(1, [], 0), slot(2, [1, 2, 9, 9, 9, 9, 9], 3)
+    assert choose_slot([a, b, c], [1, 2, 3, 4, 7]) is a  # 4 of a's 6 cached tokens
+    assert choose_slot([a, b, c], [1, 2, 3, 8]) is b  # 3 of 6 is not over half: the empty slot
+    assert choose_slot([a, c], [1, 2, 3, 8]) is c  # no empty one: the least recently used
+    assert choose_slot([a, c], [5]) is c
+    d = slot(3, [], 0)
+    assert choose_slot([d, b], [1]) is b  # among never used ones, the lowest index

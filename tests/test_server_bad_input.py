@@ -108,6 +108,14 @@ ROWS = [
     (C, {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "outside the vocabulary", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[5]]}, 400, "must be a pair", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[None, 1]]}, 400, "keys must be token ids or text", "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "at most 1000 characters", "logit_bias"),
+    # this server does not speculate: a draft length above 0 is refused, naming the field
+    (C, {"prompt": "hi", "speculative": {"num_speculative_tokens": 2}}, 400, "in 0..0", "speculative"),
+    (C, {"prompt": "hi", "speculative": 3}, 400, "'speculative' must be an object", "speculative"),
+    (L, {"prompt": "hi", "speculative.n_max": 2}, 400, "'speculative.n_max' must be an integer in 0..0",
+     "speculative.n_max"),
+    (L, {"prompt": "hi", "speculative.n_max": 0, "speculative": {"num_speculative_tokens": 0}}, 400, "once",
+     "speculative"),
     (C, {"prompt": "hi", "temperature": 1, "logit_bias": [[t, False] for t in range(VOCAB)]}, 400,
      "bans every token", "logit_bias"),
     # refused: a clear 400 naming the field, never a silent ignore
@@ -203,6 +211,20 @@ def test_the_server_still_answers_after_every_bad_row(client):
     """A bad request fails itself only: the next good one is served."""
     r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_odd_but_valid_values_are_served(client):
+    """Values at the edges that are valid: text keys of logit_bias that look like numbers to
+    str.isdigit ("²") or nearly ("--5"), and a temperature so small that every logit but the
+    largest divides to -inf (a one-hot: the greedy answer)."""
+    r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "logit_bias": {"--5": 1, "²": -1}})
+    assert r.status_code == 200, r.text
+    greedy = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True}).json()
+    for t in (1e-38, 5e-324):
+        r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": t, "seed": 1,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
 def test_a_chunked_body_over_the_limit_is_413(client):

@@ -139,7 +139,11 @@ class Sampler:
         if p.min_p > 0:
             pr = torch.softmax(logits, -1)
             logits = logits.masked_fill(pr < p.min_p * pr.max(), float("-inf"))
-        return torch.softmax(logits / p.temperature, -1)
+        # shifted by the maximum before the division, and the temperature at least float32's smallest
+        # normal number: a tiny one (1e-38, 5e-324) sends every logit below the maximum to -inf (a
+        # one-hot) instead of overflowing all of them to inf or dividing by a zero (NaN probabilities)
+        t = max(p.temperature, torch.finfo(torch.float32).tiny)
+        return torch.softmax((logits - logits.max()) / t, -1)
 
     def sample_from(self, probs: torch.Tensor) -> int:
         if self.p.greedy:

@@ -42,8 +42,27 @@ from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, com
 log = logging.getLogger("mtpllm.scheduler")
 
 
+SLOT_SIMILARITY = 0.5  # llama-server's --slot-prompt-similarity default
+
+
+def choose_slot(free: list, prompt: list[int]):
+    """The free slot a prompt takes, as llama-server chooses: the one sharing the longest prefix
+    with it, provided that prefix is over SLOT_SIMILARITY of what the slot caches (taking it then
+    loses little of another conversation); else the least recently used one (empty slots first)."""
+    best, best_n = None, 0
+    for s in free:
+        n = common_prefix(s.tokens, prompt)
+        if n > best_n and n > SLOT_SIMILARITY * len(s.tokens):
+            best, best_n = s, n
+    return best if best is not None else min(free, key=lambda s: (s.last_used, s.index))
+
+
 class QueueFull(MtpllmError):
     """The waiting queue is at its limit: try again later."""
+
+
+class ShuttingDown(MtpllmError):
+    """The scheduler has stopped accepting requests."""
 
 
 class Request:
@@ -101,6 +120,7 @@ class Scheduler:
         self.running: dict[int, _Active] = {}  # slot index -> active sequence
         self.cv = threading.Condition()
         self.accepting = True
+        self._uses = 0  # slots taken so far: each slot records when it was last taken (Slot.last_used)
         self._stop = False
         self.steps = 0  # decoding forwards run (observability)
         self.prefill_rows = 0  # prompt tokens evaluated
@@ -118,7 +138,7 @@ class Scheduler:
         req = Request(prompt_ids, params, decoder)
         with self.cv:
             if not self.accepting:
-                raise MtpllmError("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue's limit): try again later")
             self.waiting.append(req)
@@ -220,7 +240,9 @@ class Scheduler:
             free = [s for s in self.slots if s.index not in self.running]
             while self.waiting and free:
                 req = self.waiting.popleft()
-                slot = max(free, key=lambda s: common_prefix(s.tokens, req.prompt))
+                slot = choose_slot(free, req.prompt)
+                self._uses += 1
+                slot.last_used = self._uses
                 free.remove(slot)
                 admit.append((req, slot))
                 self.running[slot.index] = None  # reserved

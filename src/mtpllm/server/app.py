@@ -26,7 +26,7 @@ from . import protocol as P
 from .core import Server
 from .logprobs import Collector
 from .metrics import CONTENT_TYPE_LATEST
-from .spec_stream import SpecTrace, max_draft_length, request_spec
+from .spec_stream import SpecTrace, max_draft_length
 from .security import AccessLogMiddleware, ApiKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
@@ -71,8 +71,12 @@ class Generation:
         self.tokens: list[int] = []
         self.finished = False
         self.outcome = "cancelled"  # stop, length, context, cancelled or error once items() has ended
+        self.slot = -1  # the slot it runs on, once it has one (llama.cpp's id_slot)
         server.admit()  # 429 when the queue is full
         threading.Thread(target=self._work, daemon=True, name="mtpllm-generate").start()
+
+    def _on_slot(self, index: int) -> None:
+        self.slot = index
 
     def _put(self, item) -> None:
         try:
@@ -82,7 +86,8 @@ class Generation:
 
     def _work(self) -> None:
         try:
-            for r in self.server.generate(self.job.ids, self.job.params, self.cancel, self.job.spec):
+            for r in self.server.generate(self.job.ids, self.job.params, self.cancel, self.job.spec,
+                                          on_slot=self._on_slot):
                 self._put(r)
         except Exception as exc:  # fails this request only
             log.exception("generation failed")
@@ -298,7 +303,6 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
         t_arrival = time.perf_counter()
         body = await body_of(request)
         job = await run_in_threadpool(server.prepare, "chat" if chat else "completions", body)
-        job.spec = request_spec(server.spec, body)  # a request may ask for a shorter draft length
         trace = SpecTrace()  # the "mtpllm" object of each chunk: which tokens were accepted drafts
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
@@ -380,7 +384,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
             stop_type = "eos"
         else:
             stop_type = "none"
-        return {"index": 0, "content": text, "tokens": list(g.tokens) if job.return_tokens else [], "id_slot": 0,
+        return {"index": 0, "content": text, "tokens": list(g.tokens) if job.return_tokens else [], "id_slot": g.slot,
                 "stop": True, "model": server.model_id, "tokens_predicted": len(g.tokens),
                 "tokens_evaluated": len(job.ids), "generation_settings": settings(job.params),
                 "prompt": job.prompt, "has_new_line": "\n" in text, "stop_type": stop_type,
@@ -413,7 +417,7 @@ def create_app(server: Server, api_key: str | None = None, cors_origins: list[st
                             lp.add(r)
                         if r.token is not None or r.text:
                             c = {"index": 0, "content": r.text, "tokens": [] if r.token is None else [r.token],
-                                 "stop": False, "id_slot": 0, "tokens_predicted": len(g.tokens),
+                                 "stop": False, "id_slot": g.slot, "tokens_predicted": len(g.tokens),
                                  "tokens_evaluated": len(job.ids)}
                             if lp and len(lp.items) > lp.sent:
                                 c["completion_probabilities"] = lp.take()

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 from .. import __version__
 from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import Scheduler
+from ..runtime.scheduler import QueueFull, Scheduler, ShuttingDown
 from . import logprobs
 from . import protocol as P
 from .metrics import Metrics
+from .spec_stream import request_spec
 
 
 class Server:
@@ -69,12 +70,13 @@ class Server:
             params = P.sampling_params(body, self.defaults, ("max_completion_tokens", "max_tokens", "n_predict"),
                                        16 if kind == "completions" else room, tok, self.engine.n_ctx, n_probs)
         so = body.get("stream_options") or {}
+        spec = request_spec(self.spec, body)  # a request may ask for a shorter draft length, or none
         return P.Job(ids, params, stream=P.get_bool(body, "stream"),
                      include_usage=P.get_bool(so, "include_usage") if kind != "completion" else False,
                      return_tokens=P.get_bool(body, "return_tokens"), prompt=text,
                      extra={"cache_prompt": P.get_bool(body, "cache_prompt", True),
                             "timings_per_token": P.get_bool(body, "timings_per_token"),
-                            "response_fields": P.response_fields(body)})
+                            "response_fields": P.response_fields(body)}, spec=spec)
 
     def check_context(self, ids: list[int]) -> None:
         n_ctx = self.engine.n_ctx
@@ -100,12 +102,15 @@ class Server:
             self.waiting += 1
             self.metrics.queue_depth.set(self.waiting)
 
-    def _started(self) -> None:
+    def _started(self, req, on_slot) -> bool:
+        if on_slot is not None and req.slot is not None:
+            on_slot(req.slot)
         with self._count:
             self.waiting -= 1
             self.busy += 1
             self.metrics.queue_depth.set(self.waiting)
             self.metrics.slots_busy.set(self.busy)
+        return True
 
     def _left(self, started: bool) -> None:
         with self._count:
@@ -117,7 +122,8 @@ class Server:
             self.metrics.slots_busy.set(self.busy)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event, spec=...) -> Iterator:
+    def generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event, spec=...,
+                 on_slot=None) -> Iterator:
         """The Responses of one generation (the engine's, one per token, the last with a
         finish_reason), through the scheduler: the request joins the running batch when a slot is
         free. Runs in a worker thread, one per request. Contract with the HTTP layer: setting
@@ -126,10 +132,16 @@ class Server:
         evaluated or its first token out) and `_left(started)` when it ends (the caller has
         `admit`ted it); an exception fails this request only.
 
-        `spec`: this request's speculative decoder (... = the server's, None = plain decoding)."""
-        req = self.scheduler.submit(ids, params, self.spec if spec is ... else spec)
+        `spec`: this request's speculative decoder (... = the server's, None = plain decoding);
+        `on_slot(index)`: called once the request has a slot."""
         started = False
+        req = None
         try:
+            try:
+                req = self.scheduler.submit(ids, params, self.spec if spec is ... else spec)
+            except (QueueFull, ShuttingDown) as exc:  # 429: retry shortly; 503: this server is going away
+                raise P.ApiError(str(exc), 429 if isinstance(exc, QueueFull) else 503, "unavailable_error",
+                                 headers={"Retry-After": "1"} if isinstance(exc, QueueFull) else None) from None
             while True:
                 try:
                     item = req.queue.get(timeout=0.05)
@@ -137,21 +149,20 @@ class Server:
                     if cancel.is_set():
                         req.cancel()
                     if not started and req.slot is not None:  # admitted: its prompt is being evaluated
-                        self._started()
-                        started = True
+                        started = self._started(req, on_slot)
                     continue
                 if isinstance(item, BaseException):
                     raise item
                 if not started:
-                    self._started()
-                    started = True
+                    started = self._started(req, on_slot)
                 yield item
                 if item.finish_reason is not None:
                     return
                 if cancel.is_set():
                     req.cancel()
         finally:
-            req.cancel()  # a consumer that stopped early; nothing once the request has finished
+            if req is not None:
+                req.cancel()  # a consumer that stopped early; nothing once the request has finished
             self._left(started)
 
     def slots(self) -> list[dict]:

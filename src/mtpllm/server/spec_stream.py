@@ -16,7 +16,7 @@ is held back (part of a UTF-8 character or of a possible stop string) is listed 
 that finally carries its text.
 
 A request may ask for a shorter draft length than the server's with
-`"speculative": {"num_speculative_tokens": k}`, 0 <= k <= the server's k (0: no speculation for
+`"speculative": {"num_speculative_tokens": k}` (or llama.cpp's `"speculative.n_max": k`), 0 <= k <= the server's k (0: no speculation for
 this request). The same proposer (its weights) is used, only its k changes; its draft state is the
 request's own, on its slot.
 """
@@ -25,7 +25,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..errors import MtpllmError
+from .protocol import BadRequest
+
 
 LIVE_EVERY_S = 0.25
 
@@ -63,16 +64,22 @@ def max_draft_length(spec) -> int:
 
 def request_spec(spec, body: dict):
     """The speculative decoder for one request: the server's `spec`, or the same proposer with the
-    draft length the request asks for, or None (plain decoding) for k = 0."""
-    s = body.get("speculative")
-    if s is None:
+    draft length the request asks for, or None (plain decoding) for k = 0. The length comes from
+    `"speculative": {"num_speculative_tokens": k}` or llama.cpp's `"speculative.n_max": k`."""
+    s, flat = body.get("speculative"), body.get("speculative.n_max")
+    if s is None and flat is None:
         return spec
-    if not isinstance(s, dict) or set(s) != {"num_speculative_tokens"}:
-        raise MtpllmError("'speculative' must be an object {\"num_speculative_tokens\": k}")
-    k, hi = s["num_speculative_tokens"], max_draft_length(spec)
+    if s is not None and flat is not None:
+        raise BadRequest("give the draft length once: 'speculative' or 'speculative.n_max'", "speculative")
+    if s is not None:
+        if not isinstance(s, dict) or set(s) != {"num_speculative_tokens"}:
+            raise BadRequest("'speculative' must be an object {\"num_speculative_tokens\": k}", "speculative")
+        k, name, field = s["num_speculative_tokens"], "speculative.num_speculative_tokens", "speculative"
+    else:
+        k, name, field = flat, "speculative.n_max", "speculative.n_max"
+    hi = max_draft_length(spec)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hi:
-        raise MtpllmError(f"'speculative.num_speculative_tokens' must be an integer in 0..{hi} (this server's "
-                          f"draft length), got {k!r}")
+        raise BadRequest(f"'{name}' must be an integer in 0..{hi} (this server's draft length), got {k!r}", field)
     if k == 0:
         return None
     if k == hi:

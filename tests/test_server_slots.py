@@ -1,0 +1,149 @@
+"""End to end with 8 slots: `mtpllm serve -np 8` as a real process on loopback (a tiny model with an
+MTP layer, MTP drafts verified on every step), driven over HTTP by clients running at once.
+
+Cases marked "llama.cpp: FILE::TEST" reproduce a test of llama.cpp's own server suite
+(tools/server/tests/unit/FILE) against our endpoints.
+"""
+import json
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
+
+from server_proc import metric  # noqa: E402
+from tiny import make_tiny  # noqa: E402
+
+CTX = 512
+SLOTS = 8
+PROMPTS = ["the cat sat", "I believe the meaning", "What is the best book", "def f(x):"]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dir, serve_process):
+    model = make_tiny(tiny_dir / "np.gguf", "qwen2", seed=5, nextn=1, ctx=CTX)
+    # a fixed k: every step of every sequence verifies 3 drafts (rejections roll back each one's own state)
+    return serve_process(model, "-np", str(SLOTS), "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                         "--spec-policy", "fixed", ctx=CTX)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+
+
+def stream(url: str, body: dict) -> tuple[str, list[int], set[int]]:
+    """A streamed /completion: its text, its tokens and the slot ids its chunks named."""
+    text, tokens, slots = [], [], set()
+    with httpx.stream("POST", url + "/completion", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                c = json.loads(line[6:])
+                assert "error" not in c, c
+                text.append(c["content"])
+                tokens += c["tokens"]
+                slots.add(c["id_slot"])
+    return "".join(text), tokens, slots
+
+
+def at_once(fn, args: list) -> list:
+    out = [None] * len(args)
+
+    def work(i):
+        out[i] = fn(*args[i])
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(len(args))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(180)
+    return out
+
+
+def busiest(http, stop: threading.Event, seen: list) -> None:
+    """The largest number of slots seen generating at once, polled until `stop`."""
+    while not stop.is_set():
+        seen.append(sum(s["is_processing"] for s in http.get("/slots").json()))
+        time.sleep(0.01)
+
+
+def test_eight_streaming_clients_at_once_get_their_solo_answers(srv, http):
+    # llama.cpp: test_completion.py::test_completion_parallel_slots,
+    # test_speculative.py::test_multi_requests_parallel
+    reqs = [dict(prompt=p, n_predict=40, temperature=0, ignore_eos=True) for p in PROMPTS]
+    reqs += [dict(prompt=p, n_predict=40, temperature=1.0, seed=100 + i, top_k=0, top_p=1.0, min_p=0.0,
+                  ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    solo = [stream(srv.url, r)[:2] for r in reqs]
+    before = http.get("/metrics").text
+    stop, seen = threading.Event(), []
+    poll = threading.Thread(target=busiest, args=(http, stop, seen))
+    poll.start()
+    out = at_once(lambda r: stream(srv.url, r), [(r,) for r in reqs])
+    stop.set()
+    poll.join()
+    assert [o[:2] for o in out] == solo  # byte- and token-identical, greedy and seeded sampling alike
+    assert all(len(o[1]) == 40 for o in out)
+    slot_ids = [o[2] for o in out]
+    assert all(len(s) == 1 for s in slot_ids)  # each request stays on its slot
+    assert max(seen) >= 2  # the requests ran together, not one after another
+    after = http.get("/metrics").text
+    assert metric(after, "mtpllm_generated_tokens_total") - metric(before, "mtpllm_generated_tokens_total") == 320
+    assert metric(after, "mtpllm_slots_total") == SLOTS and metric(after, "mtpllm_slots_busy") == 0
+
+
+def test_same_seed_same_result_different_seed_different_result(srv):
+    # llama.cpp: test_completion.py::test_consistent_result_same_seed[n_slots=2],
+    # ::test_different_result_different_seed[n_slots=2]
+    body = dict(prompt="I believe the meaning of life is", n_predict=16, temperature=1.0, top_k=0, top_p=1.0,
+                min_p=0.0, ignore_eos=True)
+    same = at_once(lambda s: stream(srv.url, {**body, "seed": s})[0], [(42,)] * 4)
+    assert len(set(same)) == 1
+    other = at_once(lambda s: stream(srv.url, {**body, "seed": s})[0], [(s,) for s in (1, 2, 3, 4)])
+    assert len(set(other + same[:1])) > 1
+
+
+def test_a_new_conversation_takes_a_free_slot_and_an_old_one_finds_its_prefix(srv, http):
+    """llama-server's choice of slot: the one caching most of the prompt (if that is most of what
+    it caches), else the least recently used, so a new conversation does not evict another's prefix
+    while slots are free."""
+    a = dict(prompt="the cat sat on the mat and then the cat sat on the dog", n_predict=4, temperature=0)
+    b = dict(prompt="What is the best book to read about the sea and its fish", n_predict=4, temperature=0)
+    r1 = http.post("/completion", json=a).json()
+    r2 = http.post("/completion", json=b).json()
+    r3 = http.post("/completion", json=a).json()
+    assert r1["id_slot"] != r2["id_slot"] and r3["id_slot"] == r1["id_slot"]
+    assert r3["tokens_cached"] == r3["tokens_evaluated"] - 1 and r3["content"] == r1["content"]
+
+
+def test_a_client_that_leaves_frees_its_slot_while_the_others_go_on(srv, http):
+    long = dict(prompt="I believe", n_predict=400, temperature=0, ignore_eos=True)
+    other = threading.Thread(target=lambda: stream(srv.url, {**long, "prompt": "the cat sat"}))
+    other.start()
+    with httpx.stream("POST", srv.url + "/completion", json={**long, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                mine = json.loads(line[6:])["id_slot"]
+                break
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20:
+        slots = {s["id"]: s for s in http.get("/slots").json()}
+        if not slots[mine]["is_processing"]:
+            break
+        time.sleep(0.02)
+    assert not slots[mine]["is_processing"]
+    assert any(s["is_processing"] for s in slots.values()) or not other.is_alive()  # the other one goes on
+    other.join(120)
+
+
+def test_a_request_asks_for_a_shorter_draft_on_completion(srv, http):
+    # llama.cpp: test_speculative.py::test_different_draft_min_draft_max (its speculative.n_max field)
+    ref = http.post("/completion", json={"prompt": "the cat", "n_predict": 12, "temperature": 0}).json()
+    for k in (0, 1, 3):
+        r = http.post("/completion", json={"prompt": "the cat", "n_predict": 12, "temperature": 0,
+                                           "speculative.n_max": k})
+        assert r.status_code == 200 and r.json()["content"] == ref["content"]
+    r = http.post("/completion", json={"prompt": "the cat", "speculative.n_max": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.n_max"
