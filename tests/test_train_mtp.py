@@ -405,6 +405,43 @@ def test_training_positions_match_speculative_decoding(setup):
     assert not torch.allclose(o2[0, 17], th(e[None, 2:], o1[:, :S - 2])[0][0, 17], atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3"])
+def test_trained_head_runs_in_inference_as_in_training(tiny_dir, arch):
+    """The trainer's float32 head (differentiable, all bases and draft positions of a window in one
+    forward) and the inference head built from the file it writes compute the same outputs, for
+    each architecture's trunk (q/k norms, embedding scale, norms and activation differ): a head
+    trained on one computation and drafting with another would only show as low acceptance."""
+    from mtpllm.speculative.mtp import load_mtp_head
+    from mtpllm.train.mtp import TrainableHead
+    model = make_tiny(tiny_dir / f"trunk-{arch}.gguf", arch, seed=9, ctx=1024)
+    data = tiny_dir / "data.txt"
+    data.write_text(TEXT)
+    eng = Engine.load(str(model), n_ctx=512)
+    windows = token_windows(eng.tokenizer, read_texts([str(data)]), 48, 10_000, 0)
+    tr = Trainer(eng, windows, TrainConfig(steps=3, seq_len=48, batch=2, lr=3e-3, warmup=1, depth=2,
+                                           checkpoint_every=5), tiny_dir / f"mtp-{arch}.gguf", "test text")
+    tr.train(progress=None)
+    path = tr.write_gguf(sha256_cached(eng.model.source))
+    trunk = eng.model
+    th = TrainableHead(trunk, tr.head.wgate.shape[0], 0)
+    th.load_gguf(GGUFFile(path), trunk.cfg.n_layers)
+    head = load_mtp_head(GGUFFile(path), trunk, mode="f32")
+    w = windows[0]
+    S = len(w)
+    t = torch.tensor(w)
+    with torch.inference_mode():
+        e = trunk.embed(t)
+        h = trunk(t, trunk.make_cache(S + 4))
+        o1, kv1 = th(e[None, 1:], h[None, :-1])
+        o2, _ = th(e[None, 2:], o1[:, :S - 2], [kv1])
+        for j in (0, 7, S - 3):
+            cache = head.make_cache(trunk.cfg, S + 4)
+            g1 = head(e[1:j + 2], h[:j + 1], cache)[-1:]
+            g2 = head(e[j + 2:j + 3], g1, cache)
+            for got, ref in ((g1, o1), (g2, o2)):
+                assert torch.allclose(got[0], ref[0, j], atol=2e-4, rtol=1e-4), (j, (got[0] - ref[0, j]).abs().max())
+
+
 def test_bf16_autocast_trains_close_to_float32(setup):
     """precision="bf16": the head's products run in bfloat16 (norms, losses and the teacher in
     float32). Its first loss is the float32 loss up to bfloat16 rounding, training lowers it as

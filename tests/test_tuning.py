@@ -156,15 +156,23 @@ def test_every_option_gives_the_same_bits(model, two_threads):
         _restore()
 
 
-def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, two_threads):
-    """Engine.load times the choices (really) and caches them; a second load reads the cache."""
+def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, two_threads, capsys):
+    """Engine.load times the choices (really) and caches them, saying so on stderr when it takes a
+    while (here: at once); a second load reads the cache."""
+    from mtpllm.runtime import kernels
     from mtpllm.runtime.engine import Engine
     path = tmp_path / "load.json"
     monkeypatch.setenv("MTPLLM_TUNING_CACHE", str(path))
     monkeypatch.delenv("MTPLLM_TUNE", raising=False)
     src = make_tiny(tiny_dir / "tune2.gguf", "qwen2", seed=9)
     try:
+        monkeypatch.setattr(kernels, "_NOTICE_AFTER_S", 0.0)
+        capsys.readouterr()
         Engine.load(str(src), n_ctx=64)
+        err = capsys.readouterr().err
+        assert f"timing the kernels' alternative paths on this CPU (first load only; cached in {path})" in err
+        assert " done in " in err
+        monkeypatch.setattr(kernels, "_NOTICE_AFTER_S", 2.0)
         entries = json.loads(path.read_text())["entries"]
         assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs"}
         for e in entries.values():

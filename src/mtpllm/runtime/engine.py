@@ -96,7 +96,9 @@ class Engine:
              cfg_overrides: dict | None = None, device: str = "cpu") -> "Engine":
         """Load a registry model, GGUF file or Hugging Face checkpoint directory. `threads` sets
         PyTorch's thread count for the whole process (`torch.set_num_threads`), as the CLI's `-t` does;
-        leave it None to keep the process's setting."""
+        leave it None to keep the process's setting. With the compressed kernels (mode "fast") the
+        first load on a machine times their alternative paths and sets the fastest for the whole
+        process, caching the choice in ~/.cache/mtpllm/tuning.json (docs/kernels.md)."""
         device = resolve_device(device)
         if threads:
             torch.set_num_threads(int(threads))

@@ -133,26 +133,24 @@ def _ninja_on_path():
 
 
 @contextlib.contextmanager
-def _build_notice(what: str, out=None):
-    """Says on stderr that `what` is being compiled when the block has not finished after
-    _NOTICE_AFTER_S seconds, prints a dot every _DOT_EVERY_S seconds while it runs and the seconds
-    it took at the end; a block that finishes sooner (a cached load) prints nothing."""
+def slow_notice(message: str, out=None):
+    """Says `message` on stderr when the block has not finished after _NOTICE_AFTER_S seconds,
+    prints a dot every _DOT_EVERY_S seconds while it runs and the seconds it took at the end; a
+    block that finishes sooner (a cached load) prints nothing."""
     out = out or sys.stderr
     done = threading.Event()
     shown = threading.Event()
     t0 = time.perf_counter()
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
 
     def watch():
         if done.wait(_NOTICE_AFTER_S):
             return
-        print(f"mtpllm: compiling {what} (first use only, about 30-90 s; cached in {cache}) ",
-              end="", file=out, flush=True)
+        print(f"mtpllm: {message} ", end="", file=out, flush=True)
         shown.set()
         while not done.wait(_DOT_EVERY_S):
             print(".", end="", file=out, flush=True)
 
-    th = threading.Thread(target=watch, name="mtpllm-build-notice", daemon=True)
+    th = threading.Thread(target=watch, name="mtpllm-slow-notice", daemon=True)
     th.start()
     ok = False
     try:
@@ -163,6 +161,12 @@ def _build_notice(what: str, out=None):
         th.join()
         if shown.is_set():
             print(f" {'done' if ok else 'failed'} in {time.perf_counter() - t0:.0f} s", file=out, flush=True)
+
+
+def _build_notice(what: str, out=None):
+    """`slow_notice` for compiling `what`."""
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+    return slow_notice(f"compiling {what} (first use only, about 30-90 s; cached in {cache})", out)
 
 
 def _build() -> None:
@@ -280,7 +284,7 @@ def attend_cached(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: t
                   start: int, n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: bool, scale: float,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                   window: int = 0) -> torch.Tensor:
-    """Decode-time attention for T <= 32 new tokens at positions [start, start + T) (csrc/attention.cpp):
+    """Decode-time attention for T < GEMM_MIN_ROWS (32) new tokens at positions [start, start + T) (csrc/attention.cpp):
     q/k norm and rotary on qkv [T, (H + 2 KV) * D], k/v written into the layer's caches kc/vc
     [KV, max_len, D], causal attention over positions [0, start + t] (the last `window` of them
     when window > 0) -> [T, H * D]."""

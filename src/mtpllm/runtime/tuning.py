@@ -202,7 +202,9 @@ def tune_at_load(model) -> None:
     if not _gguf_linears(model):
         return
     try:
-        tune(model)
+        with kernels.slow_notice(f"timing the kernels' alternative paths on this CPU (first load only; cached "
+                                 f"in {cache_path()})"):
+            tune(model)
     except Exception as e:  # noqa: BLE001
         print(f"mtpllm: warning: timing the kernel choices failed, keeping the defaults ({type(e).__name__}: {e})",
               file=sys.stderr)

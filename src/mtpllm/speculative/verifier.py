@@ -221,9 +221,7 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
     params = sampler.p
     if params.greedy and not params.uses_penalties:
         target = argmax(logits)  # all positions at once
-        n = 0
-        while n < len(drafts) and drafts[n] == target[n]:
-            n += 1
+        n = common_prefix(drafts, target)
         return n, target[n]
     hist = list(history)
     for i, d in enumerate(drafts):

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import MtpllmError
 
-PROMPT_CHUNK = 256  # tokens per forward call (the engine's prefill chunk size)
+PROMPT_CHUNK = 256  # tokens per forward call by default (-b): each chunk of -c tokens is scored in such pieces
 
 
 @dataclass

@@ -302,6 +302,9 @@ class HiddenCache:
 
 
 class Trainer:
+    """One `train-mtp` run. Seeds PyTorch's global generator with `cfg.seed` (the head's
+    initialisation and the window order come from it), so a run is reproducible."""
+
     def __init__(self, engine, windows: list[list[int]], cfg: TrainConfig, out: Path, data_desc: str,
                  init: str | None = None, hidden_dir: Path | str | None = None, origins: list | None = None):
         if not windows:

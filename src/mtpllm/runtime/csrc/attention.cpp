@@ -3,9 +3,9 @@
 //
 //   rms_norm(x, w, eps)                      x / rms(x) * w, row by row
 //   attend_cached(qkv, cos, sin, kc, vc, start, ...)
-//       for T <= 32 new tokens at positions [start, start + T): optional per-head RMS norm of q and
-//       k, rotary embedding (NeoX or adjacent-pair style, partial rotary), write k and v into the
-//       layer's cache at those positions, then causal attention of every query row over the keys
+//       for T < 32 new tokens (linear.py's GEMM_MIN_ROWS) at positions [start, start + T): optional
+//       per-head RMS norm of q and k, rotary embedding (NeoX or adjacent-pair style, partial
+//       rotary), write k and v into the layer's cache at those positions, then causal attention of every query row over the keys
 //       [0, start + t] (with window W > 0: the last W of them, [start + t + 1 - W, start + t])
 //       -> o [T, H * D].
 //
