@@ -255,6 +255,27 @@ def test_cancel_frees_the_slot_within_a_step(eng):
         sched.shutdown(1)
 
 
+def test_a_request_cancelled_while_it_waits_never_takes_a_slot(eng):
+    """One slot, busy: the second request waits; cancelled there, it ends 'cancelled' with no token
+    at the next step and never takes the slot, and the first one goes on to its end."""
+    sched = Scheduler(eng, None, n_slots=1)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        first = sched.submit(eng.tokenizer.encode(PROMPTS[0]), params)
+        it = iter(first)
+        head = next(it)
+        queued = sched.submit(eng.tokenizer.encode(PROMPTS[1]), params)
+        assert sched.queue_depth() == 1
+        queued.cancel()
+        got = list(queued)
+        assert [r.finish_reason for r in got] == ["cancelled"] and got[0].token is None
+        assert queued.slot is None and sched.queue_depth() == 0
+        rest = list(it)
+        assert rest[-1].finish_reason == "length" and sum(r.token is not None for r in [head] + rest) == 60
+    finally:
+        sched.shutdown(1)
+
+
 def test_a_failing_request_fails_alone(eng, monkeypatch):
     """An exception in one sequence's step (here: its proposer raises) fails that request with an
     error; the others finish as if it were not there."""

@@ -388,6 +388,19 @@ def test_api_key_accepted_and_health_public(srv):
         assert r.status_code == 200 and "content" in r.json()
 
 
+def test_api_key_from_the_environment_is_enforced(model, serve_process):
+    """MTPLLM_API_KEY (no --api-key, so the key stays out of the process list) guards the server
+    as the flag does; /health stays public."""
+    env_srv = serve_process(model, "--spec-type", "none", ctx=CTX, env={"MTPLLM_API_KEY": "sk-from-env"})
+    body = {"prompt": "I believe", "n_predict": 2}
+    assert httpx.post(env_srv.url + "/completion", json=body).status_code == 401
+    assert httpx.post(env_srv.url + "/completion", json=body, headers=AUTH).status_code == 401
+    r = httpx.post(env_srv.url + "/completion", json=body, headers={"Authorization": "Bearer sk-from-env"})
+    assert r.status_code == 200 and "content" in r.json()
+    assert httpx.get(env_srv.url + "/health").status_code == 200
+    env_srv.stop()
+
+
 def test_cors(srv):
     # llama.cpp: test_security.py::test_cors_options (only the configured origin is allowed)
     pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}

@@ -13,7 +13,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from server_proc import metric  # noqa: E402
+from server_proc import metric, metric_sum  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 
 CTX = 512
@@ -147,3 +147,36 @@ def test_a_request_asks_for_a_shorter_draft_on_completion(srv, http):
         assert r.status_code == 200 and r.json()["content"] == ref["content"]
     r = http.post("/completion", json={"prompt": "the cat", "speculative.n_max": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.n_max"
+
+
+@pytest.mark.slow
+def test_real_model_four_clients_at_once_with_default_speculation(serve_process):
+    """The shipped 0.5B with its MTP head behind `mtpllm serve -np 4` as users start it (default
+    speculation: lookup, else the head, under the cost policy): four chat requests streamed at once
+    answer exactly what plain greedy decoding gives each alone."""
+    from mtpllm.runtime.engine import Engine
+    from mtpllm.runtime.sampling import SamplingParams
+    srv = serve_process("qwen2.5-coder-0.5b", "-np", "4", ctx=1024, threads=None, timeout=600)
+    tasks = ["Write a Python function that returns the square of a number.",
+             "Write a Python function that reverses a string.",
+             "Explain what a hash map is in two sentences.",
+             "Write a Python function that checks whether a number is prime."]
+
+    def chat(content):
+        text = []
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=600,
+                          json={"messages": [{"role": "user", "content": content}], "temperature": 0,
+                                "max_tokens": 48, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    c = json.loads(line[6:])
+                    text += [ch["delta"].get("content") or "" for ch in c["choices"]]
+        return "".join(text)
+    out = at_once(chat, [(t,) for t in tasks])
+    m = httpx.get(srv.url + "/metrics", timeout=30).text
+    assert metric_sum(m, "mtpllm_spec_draft_tokens_total") > 0  # drafts were verified, batched
+    eng = Engine.load("qwen2.5-coder-0.5b", n_ctx=1024)
+    for t, got in zip(tasks, out):
+        ref = eng.generate(messages=[{"role": "user", "content": t}], params=SamplingParams(temperature=0, max_tokens=48))
+        assert got == ref.text
