@@ -8,7 +8,8 @@ Every client sends `--requests` different coding prompts one after another (chat
 by the server itself, greedy, `n_predict` tokens, EOS ignored so every answer has the same length);
 all clients of a round start together. Aggregate tok/s = all generated tokens / the round's wall
 time; per-stream tok/s = a request's tokens after the first / the time from its first to its last
-token; TTFT = request sent -> first token. Prints a markdown table, or JSON with --json.
+token (as the client receives them); server tok/s = the decode rate the server reports in its
+timings; TTFT = request sent -> first token. Prints a markdown table, or JSON with --json.
 With --sustained SECONDS the clients instead send requests back to back for that long (steady load:
 a burst's last requests, which run with fewer sequences beside them, do not weigh in).
 """
@@ -33,7 +34,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, n: int) -> dict:
     body = {"prompt": prompt, "n_predict": n, "temperature": 0, "stream": True, "ignore_eos": True,
             "cache_prompt": True}
     t0 = time.perf_counter()
-    first = last = None
+    first = last = server_tps = None
     tokens = 0
     # a fresh connection per request: a server may close a kept-alive one after a stream
     with client.stream("POST", f"{url}/completion", json=body, headers={"Connection": "close"}) as r:
@@ -49,9 +50,11 @@ def one_request(client: httpx.Client, url: str, prompt: str, n: int) -> dict:
                 last = now
             if chunk.get("stop"):
                 tokens = int(chunk.get("tokens_predicted") or chunk.get("timings", {}).get("predicted_n") or 0)
+                server_tps = chunk.get("timings", {}).get("predicted_per_second")
     first = first or time.perf_counter()
     last = last or first
-    return {"ttft": first - t0, "tokens": tokens, "decode_s": last - first, "wall": time.perf_counter() - t0}
+    return {"ttft": first - t0, "tokens": tokens, "decode_s": last - first, "wall": time.perf_counter() - t0,
+            "server_tps": server_tps}
 
 
 def run_round(url: str, prompts: list[list[str]], n: int) -> dict:
@@ -87,7 +90,10 @@ def run_round(url: str, prompts: list[list[str]], n: int) -> dict:
             "wall_s": wall, "aggregate_tps": sum(r["tokens"] for r in results) / wall,
             "per_stream_tps": statistics.mean(per_stream) if per_stream else 0.0,
             "ttft_s_mean": statistics.mean(r["ttft"] for r in results),
-            "ttft_s_max": max(r["ttft"] for r in results)}
+            "ttft_s_max": max(r["ttft"] for r in results),
+            # the decode rate each server reports for its own requests (llama.cpp's timings.predicted_per_second)
+            "server_tps": statistics.mean(r["server_tps"] for r in results) if all(
+                r["server_tps"] for r in results) else None}
 
 
 def run_sustained(url: str, texts: list[str], n_clients: int, n: int, seconds: float) -> dict:
