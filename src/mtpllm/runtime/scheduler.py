@@ -42,13 +42,16 @@ from .sequence import OutputText, PlainDecoder, Response, Sequence, Timings, com
 log = logging.getLogger("mtpllm.scheduler")
 
 
-SLOT_SIMILARITY = 0.5  # llama-server's --slot-prompt-similarity default
+SLOT_SIMILARITY = 0.5  # a slot is taken by prefix only when the prefix is over this share of what it caches
 
 
 def choose_slot(free: list, prompt: list[int]):
-    """The free slot a prompt takes, as llama-server chooses: the one sharing the longest prefix
-    with it, provided that prefix is over SLOT_SIMILARITY of what the slot caches (taking it then
-    loses little of another conversation); else the least recently used one (empty slots first)."""
+    """The free slot a prompt takes: the one sharing the longest prefix with it, provided that
+    prefix is over SLOT_SIMILARITY of what the slot caches, else the least recently released one
+    (never used ones first). As llama-server, by shared prefix then least recently used; unlike it,
+    which measures the prefix against the prompt and keeps an evicted slot's state in a host-memory
+    prompt cache, the prefix is measured against the slot's cache, so a new conversation that
+    shares only a system prompt does not take the slot (and the whole cache) of another."""
     best, best_n = None, 0
     for s in free:
         n = common_prefix(s.tokens, prompt)
@@ -120,7 +123,7 @@ class Scheduler:
         self.running: dict[int, _Active] = {}  # slot index -> active sequence
         self.cv = threading.Condition()
         self.accepting = True
-        self._uses = 0  # slots taken so far: each slot records when it was last taken (Slot.last_used)
+        self._uses = 0  # slots released so far: each slot records when it was last released (Slot.last_used)
         self._stop = False
         self.steps = 0  # decoding forwards run (observability)
         self.prefill_rows = 0  # prompt tokens evaluated
@@ -241,8 +244,6 @@ class Scheduler:
             while self.waiting and free:
                 req = self.waiting.popleft()
                 slot = choose_slot(free, req.prompt)
-                self._uses += 1
-                slot.last_used = self._uses
                 free.remove(slot)
                 admit.append((req, slot))
                 self.running[slot.index] = None  # reserved
@@ -333,6 +334,7 @@ class Scheduler:
             slot.reset()  # its cache may be out of step with its tokens
             with self.cv:
                 self.running.pop(slot.index, None)
+            slot.last_used = 0  # empty again: taken first
             self._send(req, e)
             return
         timings = Timings(load_ms=eng.load_ms, cached_n=seq.cached_n, prompt_n=len(req.prompt) - seq.cached_n)
@@ -395,9 +397,16 @@ class Scheduler:
             tm.predicted_ms = (time.perf_counter() - a.t_gen) * 1e3
             self._finish(idx, Response(None, a.out.flush(), a.out.finish, tm, a.seq.stats))
 
-    def _finish(self, idx: int, r: Response) -> None:
+    def _release(self, idx: int):
+        """The active sequence of slot `idx`, taken off the running set; the slot's release time noted
+        (the least recently released free slot is taken first)."""
         with self.cv:
-            a = self.running.pop(idx, None)
+            self._uses += 1
+            self.slots[idx].last_used = self._uses
+            return self.running.pop(idx, None)
+
+    def _finish(self, idx: int, r: Response) -> None:
+        a = self._release(idx)
         if a is not None:
             self._send(a.req, r)
             for fn in self.listeners:
@@ -407,13 +416,13 @@ class Scheduler:
                     pass
 
     def _fail(self, idx: int, err: BaseException) -> None:
-        with self.cv:
-            a = self.running.pop(idx, None)
+        a = self._release(idx)
         if a is None:
             return
         if a.prefill is not None:
             a.prefill.close()
         a.seq.slot.reset()  # its cache may be out of step with its tokens
+        a.seq.slot.last_used = 0  # empty again: taken first
         self._send(a.req, err)  # as raised: an MtpllmError is the request's fault, anything else a bug
 
     @staticmethod
