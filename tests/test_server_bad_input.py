@@ -108,11 +108,12 @@ ROWS = [
     (C, {"prompt": "hi", "logit_bias": {"999999": 1}}, 400, "outside the vocabulary", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[5]]}, 400, "must be a pair", "logit_bias"),
     (C, {"prompt": "hi", "logit_bias": [[None, 1]]}, 400, "keys must be token ids or text", "logit_bias"),
-    (C, {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "at most 1000 characters", "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "outside the vocabulary", "logit_bias"),
+    (C, {"prompt": "hi", "logit_bias": {"x" * 1001: 1}}, 400, "at most 1000 characters", "logit_bias"),
     # this server does not speculate: a draft length above 0 is refused, naming the field
     (C, {"prompt": "hi", "speculative": {"num_speculative_tokens": 2}}, 400, "in 0..0", "speculative"),
     (C, {"prompt": "hi", "speculative": 3}, 400, "'speculative' must be an object", "speculative"),
-    (L, {"prompt": "hi", "speculative.n_max": 2}, 400, "'speculative.n_max' must be an integer in 0..0",
+    (L, {"prompt": "hi", "speculative.n_max": "two"}, 400, "'speculative.n_max' must be an integer",
      "speculative.n_max"),
     (L, {"prompt": "hi", "speculative.n_max": 0, "speculative": {"num_speculative_tokens": 0}}, 400, "once",
      "speculative"),
@@ -225,6 +226,21 @@ def test_odd_but_valid_values_are_served(client):
         r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 6, "temperature": t, "seed": 1,
                                                  "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_a_scheduler_that_stopped_accepting_gives_503(client, server):
+    """Once the scheduler takes no new generation (shut down by an application embedding the
+    server), a request is a 503 at admission, counted neither waiting nor busy."""
+    server.scheduler.accepting = False
+    try:
+        r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2, "stream": True})
+        assert r.status_code == 503
+    finally:
+        server.scheduler.accepting = True
+    assert server.waiting == 0 and server.busy == 0
+    assert client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2}).status_code == 200
 
 
 def test_a_chunked_body_over_the_limit_is_413(client):

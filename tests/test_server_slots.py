@@ -5,8 +5,8 @@ Cases marked "llama.cpp: FILE::TEST" reproduce a test of llama.cpp's own server 
 (tools/server/tests/unit/FILE) against our endpoints.
 """
 import json
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,9 +35,10 @@ def http(srv):
         yield c
 
 
-def stream(url: str, body: dict) -> tuple[str, list[int], set[int]]:
-    """A streamed /completion: its text, its tokens and the slot ids its chunks named."""
-    text, tokens, slots = [], [], set()
+def stream(url: str, body: dict) -> tuple[str, list[int], set[int], tuple[float, float]]:
+    """A streamed /completion: its text, its tokens, the slot ids its chunks named, and when its
+    first and last tokens arrived."""
+    text, tokens, slots, when = [], [], set(), []
     with httpx.stream("POST", url + "/completion", json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -47,27 +48,15 @@ def stream(url: str, body: dict) -> tuple[str, list[int], set[int]]:
                 text.append(c["content"])
                 tokens += c["tokens"]
                 slots.add(c["id_slot"])
-    return "".join(text), tokens, slots
+                if c["tokens"]:
+                    when.append(time.monotonic())
+    return "".join(text), tokens, slots, (when[0], when[-1])
 
 
 def at_once(fn, args: list) -> list:
-    out = [None] * len(args)
-
-    def work(i):
-        out[i] = fn(*args[i])
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(len(args))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(180)
-    return out
-
-
-def busiest(http, stop: threading.Event, seen: list) -> None:
-    """The largest number of slots seen generating at once, polled until `stop`."""
-    while not stop.is_set():
-        seen.append(sum(s["is_processing"] for s in http.get("/slots").json()))
-        time.sleep(0.01)
+    """fn(*a) for every a in args, all started together; an exception in one is raised here."""
+    with ThreadPoolExecutor(len(args)) as ex:
+        return list(ex.map(lambda a: fn(*a), args))
 
 
 def test_eight_streaming_clients_at_once_get_their_solo_answers(srv, http):
@@ -78,17 +67,14 @@ def test_eight_streaming_clients_at_once_get_their_solo_answers(srv, http):
                   ignore_eos=True) for i, p in enumerate(PROMPTS)]
     solo = [stream(srv.url, r)[:2] for r in reqs]
     before = http.get("/metrics").text
-    stop, seen = threading.Event(), []
-    poll = threading.Thread(target=busiest, args=(http, stop, seen))
-    poll.start()
     out = at_once(lambda r: stream(srv.url, r), [(r,) for r in reqs])
-    stop.set()
-    poll.join()
     assert [o[:2] for o in out] == solo  # byte- and token-identical, greedy and seeded sampling alike
     assert all(len(o[1]) == 40 for o in out)
     slot_ids = [o[2] for o in out]
     assert all(len(s) == 1 for s in slot_ids)  # each request stays on its slot
-    assert max(seen) >= 2  # the requests ran together, not one after another
+    assert len(set().union(*slot_ids)) >= 2
+    # the requests ran together, not one after another: the last to start did so before the first ended
+    assert max(o[3][0] for o in out) < min(o[3][1] for o in out)
     after = http.get("/metrics").text
     assert metric(after, "mtpllm_generated_tokens_total") - metric(before, "mtpllm_generated_tokens_total") == 320
     assert metric(after, "mtpllm_slots_total") == SLOTS and metric(after, "mtpllm_slots_busy") == 0
@@ -120,32 +106,41 @@ def test_a_new_conversation_takes_a_free_slot_and_an_old_one_finds_its_prefix(sr
 
 def test_a_client_that_leaves_frees_its_slot_while_the_others_go_on(srv, http):
     long = dict(prompt="I believe", n_predict=400, temperature=0, ignore_eos=True)
-    other = threading.Thread(target=lambda: stream(srv.url, {**long, "prompt": "the cat sat"}))
-    other.start()
-    with httpx.stream("POST", srv.url + "/completion", json={**long, "stream": True}, timeout=30) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                mine = json.loads(line[6:])["id_slot"]
+    before = http.get("/metrics").text
+    with ThreadPoolExecutor(1) as ex:
+        other = ex.submit(stream, srv.url, {**long, "prompt": "the cat sat"})
+        with httpx.stream("POST", srv.url + "/completion", json={**long, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    mine = json.loads(line[6:])["id_slot"]
+                    break
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            slots = {s["id"]: s for s in http.get("/slots").json()}
+            if not slots[mine]["is_processing"]:
                 break
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 20:
-        slots = {s["id"]: s for s in http.get("/slots").json()}
-        if not slots[mine]["is_processing"]:
-            break
-        time.sleep(0.02)
-    assert not slots[mine]["is_processing"]
-    assert any(s["is_processing"] for s in slots.values()) or not other.is_alive()  # the other one goes on
-    other.join(120)
+            time.sleep(0.02)
+        assert not slots[mine]["is_processing"]
+        assert len(other.result(120)[1]) == 400  # the other one went on to its end
+    after = http.get("/metrics").text
+    cancelled = metric(after, "mtpllm_generations_total", finish="cancelled") - metric(
+        before, "mtpllm_generations_total", finish="cancelled")
+    generated = metric(after, "mtpllm_generated_tokens_total") - metric(before, "mtpllm_generated_tokens_total")
+    assert cancelled == 1 and 400 < generated < 800  # the one that left stopped short of its 400
 
 
 def test_a_request_asks_for_a_shorter_draft_on_completion(srv, http):
     # llama.cpp: test_speculative.py::test_different_draft_min_draft_max (its speculative.n_max field)
-    ref = http.post("/completion", json={"prompt": "the cat", "n_predict": 12, "temperature": 0}).json()
-    for k in (0, 1, 3):
-        r = http.post("/completion", json={"prompt": "the cat", "n_predict": 12, "temperature": 0,
-                                           "speculative.n_max": k})
+    body = {"prompt": "the cat", "n_predict": 12, "temperature": 0, "ignore_eos": True}
+    ref = http.post("/completion", json=body).json()
+    drafted = {}
+    for k in (0, 1, 3, 16):  # above the server's 3: clamped to it, as llama-server does
+        r = http.post("/completion", json={**body, "speculative.n_max": k})
         assert r.status_code == 200 and r.json()["content"] == ref["content"]
-    r = http.post("/completion", json={"prompt": "the cat", "speculative.n_max": 4})
+        drafted[k] = r.json()["timings"].get("draft_n", 0)
+    # every step verifies k drafts (a fixed k): the draft tokens follow the length asked for
+    assert drafted[0] == 0 < drafted[1] < drafted[3] == drafted[16] == ref["timings"]["draft_n"]
+    r = http.post("/completion", json={**body, "speculative.n_max": "two"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative.n_max"
 
 

@@ -90,7 +90,10 @@ class Generation:
                                           on_slot=self._on_slot):
                 self._put(r)
         except Exception as exc:  # fails this request only
-            log.exception("generation failed")
+            if isinstance(exc, (P.ApiError, MtpllmError)):  # the request's fault or a refusal: no traceback
+                log.info("generation refused: %s", exc)
+            else:
+                log.exception("generation failed")
             self._put(exc)
         finally:
             self._put(None)

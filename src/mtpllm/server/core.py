@@ -93,12 +93,14 @@ class Server:
 
     # ------------------------------------------------------------------ admission
     def admit(self) -> None:
-        """Count a generation request in, or refuse it (429) when the queue is full."""
+        """Count a generation request in, or refuse it: 429 when the queue is full, 503 once the
+        scheduler has stopped accepting (shutting down)."""
         with self._count:
+            if not self.scheduler.accepting:
+                raise P.ApiError("the server is shutting down", 503, "unavailable_error")
             if self.waiting + self.busy >= self.parallel + self.max_queue:
-                raise P.ApiError(f"the server is busy: {self.busy} generating and {self.waiting} waiting "
-                                 f"(at most {self.max_queue} may wait); retry shortly", 429,
-                                 "unavailable_error", headers={"Retry-After": "1"})
+                raise _busy(f"the server is busy: {self.busy} generating and {self.waiting} waiting "
+                            f"(at most {self.max_queue} may wait); retry shortly")
             self.waiting += 1
             self.metrics.queue_depth.set(self.waiting)
 
@@ -139,9 +141,10 @@ class Server:
         try:
             try:
                 req = self.scheduler.submit(ids, params, self.spec if spec is ... else spec)
-            except (QueueFull, ShuttingDown) as exc:  # 429: retry shortly; 503: this server is going away
-                raise P.ApiError(str(exc), 429 if isinstance(exc, QueueFull) else 503, "unavailable_error",
-                                 headers={"Retry-After": "1"} if isinstance(exc, QueueFull) else None) from None
+            except QueueFull as exc:  # admitted above, but the scheduler's own queue is full
+                raise _busy(str(exc)) from None
+            except ShuttingDown as exc:  # it stopped accepting since the request was admitted
+                raise P.ApiError(str(exc), 503, "unavailable_error") from None
             while True:
                 try:
                     item = req.queue.get(timeout=0.05)
@@ -168,3 +171,8 @@ class Server:
     def slots(self) -> list[dict]:
         """llama.cpp's `/slots`: one entry per slot."""
         return [{**d, "speculative": self.spec_label} for d in self.scheduler.slots_info()]
+
+
+def _busy(message: str) -> P.ApiError:
+    """429 with Retry-After: the queue is full, retry shortly."""
+    return P.ApiError(message, 429, "unavailable_error", headers={"Retry-After": "1"})

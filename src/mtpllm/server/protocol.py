@@ -18,7 +18,7 @@ from ..runtime.sampling import SamplingParams
 MAX_DEPTH = 64  # JSON nesting: OpenAI and llama.cpp bodies need 5 or 6 levels
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1000  # characters of one stop string (held-back text grows with it)
-_TOKEN_ID = re.compile(r"\s*-?[0-9]{1,18}\s*")  # a logit_bias key that is a token id (else it is text)
+_TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*")  # a logit_bias key that is a token id (else it is text)
 MAX_SEED = 2 ** 64  # torch generators take 64-bit seeds
 MAX_SCALE = 1000.0  # temperature, penalties: at most this (and repeat_penalty at least its inverse)
 
@@ -283,6 +283,9 @@ def logit_bias(v, tokenizer) -> dict[int, float]:
         if isinstance(key, int) and not isinstance(key, bool):
             ids = [key]
         elif isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            if len(key.strip()) > 12:  # int() of thousands of digits is slow, and no vocabulary is that large
+                raise BadRequest(f"'logit_bias' has a token id outside the vocabulary (0..{V - 1}): {key.strip()[:20]}...",
+                                 "logit_bias")
             ids = [int(key)]
         elif isinstance(key, str) and key:
             if len(key) > MAX_STOP_CHARS:

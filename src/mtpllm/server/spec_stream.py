@@ -16,9 +16,9 @@ is held back (part of a UTF-8 character or of a possible stop string) is listed 
 that finally carries its text.
 
 A request may ask for a shorter draft length than the server's with
-`"speculative": {"num_speculative_tokens": k}` (or llama.cpp's `"speculative.n_max": k`), 0 <= k <= the server's k (0: no speculation for
-this request). The same proposer (its weights) is used, only its k changes; its draft state is the
-request's own, on its slot.
+`"speculative": {"num_speculative_tokens": k}`, 0 <= k <= the server's k (0: no speculation for
+this request), or llama.cpp's `"speculative.n_max": k`, clamped to that range. The same proposer
+(its weights) is used, only its k changes; its draft state is the request's own, on its slot.
 """
 from __future__ import annotations
 
@@ -78,7 +78,11 @@ def request_spec(spec, body: dict):
     else:
         k, name, field = flat, "speculative.n_max", "speculative.n_max"
     hi = max_draft_length(spec)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= hi:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise BadRequest(f"'{name}' must be an integer, got {k!r}", field)
+    if flat is not None:  # llama.cpp's n_max is a ceiling: clamped to 0..k, as llama-server does
+        k = min(max(k, 0), hi)
+    elif not 0 <= k <= hi:
         raise BadRequest(f"'{name}' must be an integer in 0..{hi} (this server's draft length), got {k!r}", field)
     if k == 0:
         return None
