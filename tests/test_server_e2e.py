@@ -148,6 +148,15 @@ def test_logit_bias_through_http(oai, engine, http):
                                        "ignore_eos": True, "return_tokens": True,
                                        "logit_bias": [[first, False]]}).json()
     assert first not in d["tokens"]
+    # a text key biases its token (llama.cpp: [["text", bias]] and {"text": bias})
+    tok = engine.tokenizer
+    word = next(t for t in range(300) if t not in ref.tokens and tok.decode([t]).isalpha()
+                and tok.encode(tok.decode([t]), add_special=False) == [t])
+    text = tok.decode([word])
+    for bias in ([[text, 100]], {text: 100}):
+        d = http.post("/completion", json={"prompt": "What is the best book", "n_predict": 3, "temperature": 0,
+                                           "ignore_eos": True, "return_tokens": True, "logit_bias": bias}).json()
+        assert d["tokens"] == [word] * 3, bias
 
 
 def test_logprobs_through_the_openai_package(oai, engine, http):

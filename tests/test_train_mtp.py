@@ -385,24 +385,37 @@ def test_training_positions_match_speculative_decoding(setup):
     th.load_gguf(GGUFFile(path), trunk.cfg.n_layers)
     head = load_mtp_head(GGUFFile(path), trunk, mode="f32")
     w = windows[0]
-    S = len(w)
     h = tr.hidden.get(tr.order[0] if windows[tr.order[0]] == w else 0)
-    t = torch.tensor(w)
-    with torch.no_grad():
-        e = trunk.embed(t)
-        o1, kv1 = th(e[None, 1:], h[None, :-1])
-        o2, kv2 = th(e[None, 2:], o1[:, :S - 2], [kv1])
-        o3, _ = th(e[None, 3:], o2[:, :S - 3], [kv1, kv2])
-    with torch.inference_mode():
-        for j in (0, 5, 17, S - 4):
-            cache = head.make_cache(trunk.cfg, S + 4)
-            g1 = head(e[1:j + 2], h[:j + 1], cache)[-1:]
-            g2 = head(e[j + 2:j + 3], g1, cache)
-            g3 = head(e[j + 3:j + 4], g2, cache)
-            for got, ref in ((g1, o1), (g2, o2), (g3, o3)):
-                assert torch.allclose(got[0], ref[0, j], atol=2e-4, rtol=1e-4), (j, (got[0] - ref[0, j]).abs().max())
+    e, o = _positions_agree(trunk, th, head, w, h, 3, (0, 5, 17, len(w) - 4))
     # the old training forward (position s attending to all earlier bases' recursions) differs
-    assert not torch.allclose(o2[0, 17], th(e[None, 2:], o1[:, :S - 2])[0][0, 17], atol=1e-3)
+    with torch.no_grad():
+        assert not torch.allclose(o[1][0, 17], th(e[None, 2:], o[0][:, :len(w) - 2])[0][0, 17], atol=1e-3)
+
+
+def _positions_agree(trunk, th, head, w: list[int], h, depth: int, bases) -> tuple:
+    """The trainer's head `th` on window `w` (trunk states h) for draft positions 1..depth against
+    the inference `head` drafting from each base j in `bases` with its own cache: the same outputs.
+    -> (the window's embeddings, th's outputs per position)."""
+    S = len(w)
+    with torch.no_grad():
+        e = trunk.embed(torch.tensor(w))
+        outs, past = [], []
+        prev = h[None, :-1]
+        for s in range(1, depth + 1):
+            o, kv = th(e[None, s:], prev[:, :S - s], past or None)
+            outs.append(o)
+            past.append(kv)
+            prev = o
+    with torch.inference_mode():
+        for j in bases:
+            cache = head.make_cache(trunk.cfg, S + depth + 1)
+            got = head(e[1:j + 2], h[:j + 1], cache)[-1:]
+            for s in range(1, depth + 1):
+                if s > 1:
+                    got = head(e[j + s:j + s + 1], got, cache)
+                ref = outs[s - 1][0, j]
+                assert torch.allclose(got[0], ref, atol=2e-4, rtol=1e-4), (j, s, (got[0] - ref).abs().max())
+    return e, outs
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3"])
@@ -427,19 +440,9 @@ def test_trained_head_runs_in_inference_as_in_training(tiny_dir, arch):
     th.load_gguf(GGUFFile(path), trunk.cfg.n_layers)
     head = load_mtp_head(GGUFFile(path), trunk, mode="f32")
     w = windows[0]
-    S = len(w)
-    t = torch.tensor(w)
     with torch.inference_mode():
-        e = trunk.embed(t)
-        h = trunk(t, trunk.make_cache(S + 4))
-        o1, kv1 = th(e[None, 1:], h[None, :-1])
-        o2, _ = th(e[None, 2:], o1[:, :S - 2], [kv1])
-        for j in (0, 7, S - 3):
-            cache = head.make_cache(trunk.cfg, S + 4)
-            g1 = head(e[1:j + 2], h[:j + 1], cache)[-1:]
-            g2 = head(e[j + 2:j + 3], g1, cache)
-            for got, ref in ((g1, o1), (g2, o2)):
-                assert torch.allclose(got[0], ref[0, j], atol=2e-4, rtol=1e-4), (j, (got[0] - ref[0, j]).abs().max())
+        h = trunk(torch.tensor(w), trunk.make_cache(len(w) + 4))
+    _positions_agree(trunk, th, head, w, h, 2, (0, 7, len(w) - 3))
 
 
 def test_bf16_autocast_trains_close_to_float32(setup):
