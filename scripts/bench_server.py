@@ -173,7 +173,8 @@ def main():
         row["label"] = a.label
         rows.append(row)
         if not a.json:
-            print(f"| {a.label} | {n_clients} | {row['aggregate_tps']:.1f} | {row['per_stream_tps']:.1f} | "
+            server = f"{row['server_tps']:.1f}" if row["server_tps"] else "-"
+            print(f"| {a.label} | {n_clients} | {row['aggregate_tps']:.1f} | {row['per_stream_tps']:.1f} | {server} | "
                   f"{row['ttft_s_mean']:.2f} | {row['ttft_s_max']:.2f} |", flush=True)
     if a.json:
         print(json.dumps(rows, indent=1))
