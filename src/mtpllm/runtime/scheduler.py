@@ -334,7 +334,6 @@ class Scheduler:
             slot.reset()  # its cache may be out of step with its tokens
             with self.cv:
                 self.running.pop(slot.index, None)
-            slot.last_used = 0  # empty again: taken first
             self._send(req, e)
             return
         timings = Timings(load_ms=eng.load_ms, cached_n=seq.cached_n, prompt_n=len(req.prompt) - seq.cached_n)
@@ -422,7 +421,6 @@ class Scheduler:
         if a.prefill is not None:
             a.prefill.close()
         a.seq.slot.reset()  # its cache may be out of step with its tokens
-        a.seq.slot.last_used = 0  # empty again: taken first
         self._send(a.req, err)  # as raised: an MtpllmError is the request's fault, anything else a bug
 
     @staticmethod

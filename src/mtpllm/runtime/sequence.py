@@ -102,7 +102,7 @@ class Slot:
         self.tokens: list[int] = []  # tokens whose states are in `cache`, in order
         self.drafts: dict = {}  # proposer -> its per-sequence draft state on this slot
         self.prefix = None  # a PrefixSnapshot (runtime/prefix.py) of a cache that cannot trim far back
-        self.last_used = 0  # when a request last took it (the scheduler's counter): least recently used first
+        self.last_used = 0  # when a request last released it (the scheduler's counter; 0: empty), oldest taken first
 
     def draft_state(self, proposer):
         if proposer not in self.drafts:
@@ -114,6 +114,7 @@ class Slot:
         self.cache.reset()
         self.tokens = []
         self.prefix = None
+        self.last_used = 0  # empty: a scheduler takes it before any slot holding a conversation
         for st in self.drafts.values():
             if hasattr(st, "reset"):
                 st.reset()

@@ -104,7 +104,7 @@ class Server:
             self.waiting += 1
             self.metrics.queue_depth.set(self.waiting)
 
-    def _started(self, req, on_slot) -> bool:
+    def _started(self, req, on_slot) -> None:
         if on_slot is not None and req.slot is not None:
             on_slot(req.slot)
         with self._count:
@@ -112,7 +112,6 @@ class Server:
             self.busy += 1
             self.metrics.queue_depth.set(self.waiting)
             self.metrics.slots_busy.set(self.busy)
-        return True
 
     def _left(self, started: bool) -> None:
         with self._count:
@@ -152,12 +151,14 @@ class Server:
                     if cancel.is_set():
                         req.cancel()
                     if not started and req.slot is not None:  # admitted: its prompt is being evaluated
-                        started = self._started(req, on_slot)
+                        self._started(req, on_slot)
+                        started = True
                     continue
                 if isinstance(item, BaseException):
                     raise item
                 if not started:
-                    started = self._started(req, on_slot)
+                    self._started(req, on_slot)
+                    started = True
                 yield item
                 if item.finish_reason is not None:
                     return

@@ -284,8 +284,8 @@ def logit_bias(v, tokenizer) -> dict[int, float]:
             ids = [key]
         elif isinstance(key, str) and _TOKEN_ID.fullmatch(key):
             if len(key.strip()) > 12:  # int() of thousands of digits is slow, and no vocabulary is that large
-                raise BadRequest(f"'logit_bias' has a token id outside the vocabulary (0..{V - 1}): {key.strip()[:20]}...",
-                                 "logit_bias")
+                raise BadRequest(f"'logit_bias' has a token id outside the vocabulary (0..{V - 1}): "
+                                 f"{key.strip()[:20]}...", "logit_bias")
             ids = [int(key)]
         elif isinstance(key, str) and key:
             if len(key) > MAX_STOP_CHARS:
