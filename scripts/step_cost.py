@@ -5,7 +5,8 @@
 
 Decodes one code prompt plain and with speculation (three rounds, alternating; draft and
 verification time per step from the decoder's statistics), then times forwards of 1 and 4 rows
-at ~300 positions with and without the logits and their argmax (25 alternations, median and min).
+at ~300 positions with and without the logits and their argmax as the verifier computes them
+(`model.logits`, `kernels.argmax`; 25 alternations, median and min).
 The per-stage figures in docs/kernels.md come from this script. `--choice NAME=A,B` times the
 forwards (and stages) under each value of a kernel choice (`kernels.choice(NAME)`, e.g. x8_tile4, tile_rows),
 alternating between them in every repetition, so that the comparison survives other load.
@@ -20,6 +21,7 @@ import time
 import torch
 
 from mtpllm.runtime.engine import Engine
+from mtpllm.runtime.kernels import argmax
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import SpecConfig
 
@@ -62,7 +64,7 @@ def main():
         def forward(T, logits):
             h = m(torch.tensor(ids[:T]), cache)
             if logits:
-                m.logits(h).argmax(-1).tolist()
+                argmax(m.logits(h))  # as the verifier does
 
         def pending(r):  # (untimed) a block of r + 1 rows rolled back to r: its next forward replays them
             if r:

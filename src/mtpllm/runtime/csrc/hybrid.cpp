@@ -122,10 +122,11 @@ struct HLayer {
 };
 
 // One row of the delta rule for one head: state src [dk, dv] -> the new state, written to loc (the
-// working copy, may be src) or, kStore (the last row), to dst (the cache's slot) only; kOut: o = S^T q (a replayed row
-// has no output: q and o unused). Two sweeps: the first only reads (mem = (S exp(g))^T k), the
-// second computes S exp(g) + k delta^T with delta = beta (v - mem) and o. The arithmetic per element
-// is fixed (the same for every row count and thread, with or without output).
+// working copy, may be src) or, kStore (the last row), to dst (the cache's slot) only; kOut: o = S^T q
+// (a replayed row has no output: q and o unused). Two sweeps: the first only reads (mem = exp(g) S^T k,
+// the decay applied once per column, not per element), the second computes S exp(g) + k delta^T with
+// delta = beta (v - mem) and o. The arithmetic per element is fixed (the same for every row count and
+// thread, with or without output).
 template <bool kOut, bool kStore>
 inline void delta_rule_row(const float* src, float* loc, float* dst, const float* q, const float* k, const float* v,
                            float dec, float bt, int64_t dk, int64_t dv, float* mem, float* delta, float* o) {
@@ -139,12 +140,12 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
       const float* sr = src + i * dv;
       const __m256 ki = _mm256_set1_ps(k[i]);
       for (int64_t j = 0; j < dv; j += 8)
-        _mm256_storeu_ps(mem + j, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + j), vd), ki,
-                                                  _mm256_loadu_ps(mem + j)));
+        _mm256_storeu_ps(mem + j, _mm256_fmadd_ps(_mm256_loadu_ps(sr + j), ki, _mm256_loadu_ps(mem + j)));
     }
     const __m256 vb = _mm256_set1_ps(bt);
     for (int64_t j = 0; j < dv; j += 8)
-      _mm256_storeu_ps(delta + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j), _mm256_loadu_ps(mem + j)), vb));
+      _mm256_storeu_ps(delta + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j),
+                                                               _mm256_mul_ps(_mm256_loadu_ps(mem + j), vd)), vb));
     for (int64_t i = 0; i < dk; ++i) {
       const float* sr = src + i * dv;
       float* lr = loc + i * dv;
@@ -164,8 +165,8 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
     return;
   }
   for (int64_t i = 0; i < dk; ++i)
-    for (int64_t j = 0; j < dv; ++j) mem[j] = std::fma(src[i * dv + j] * dec, k[i], mem[j]);
-  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - mem[j]) * bt;
+    for (int64_t j = 0; j < dv; ++j) mem[j] = std::fma(src[i * dv + j], k[i], mem[j]);
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - mem[j] * dec) * bt;
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
       const float sv = std::fma(k[i], delta[j], src[i * dv + j] * dec);
@@ -185,6 +186,7 @@ struct DeltaRow {
   float* o;
 };
 
+constexpr int64_t kConvBlock = 256;  // channels per task of the DeltaNet convolution
 constexpr int64_t kCols = 32;  // state columns per block in delta_rule_head: 4 registers of 8
 
 // rows [0, n) of the delta rule over one head's state, read from `from` [dk, dv]; the state after row
@@ -225,9 +227,10 @@ inline void delta_rule_head(float* from, float* dst, const DeltaRow* rows, int64
       for (int64_t i = 0; i < dk; ++i) {
         const __m256 ki = _mm256_set1_ps(R.k[i]);
         const float* sr = src + i * ld;
-        for (int c = 0; c < 4; ++c) m[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), vd), ki, m[c]);
+        for (int c = 0; c < 4; ++c) m[c] = _mm256_fmadd_ps(_mm256_loadu_ps(sr + 8 * c), ki, m[c]);
       }
-      for (int c = 0; c < 4; ++c) d[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(R.v + j0 + 8 * c), m[c]), vb);
+      for (int c = 0; c < 4; ++c)
+        d[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(R.v + j0 + 8 * c), _mm256_mul_ps(m[c], vd)), vb);
       const bool last = t == n - 1;
       for (int64_t i = 0; i < dk; ++i) {
         const __m256 ki = _mm256_set1_ps(R.k[i]), qi = _mm256_set1_ps(R.o ? R.q[i] : 0.0f);
@@ -502,16 +505,25 @@ struct HybridStack : torch::CustomClassHolder {
     const float* dtb = L.dt_bias.data_ptr<float>();
     const float qs = 1.0f / std::sqrt(static_cast<float>(dk));
     const int64_t r = nv / nk;
+    // the convolution + SiLU of every row, by blocks of channels (a multiple of 8: each element takes
+    // the vector or the scalar path as it would in one sweep, so the bits do not depend on the split)
+    const int64_t cblocks = (C + kConvBlock - 1) / kConvBlock;
+    at::parallel_for(0, cblocks, std::max<int64_t>(1, 64 / T), [&](int64_t b0, int64_t b1) {
+      const int64_t i0 = b0 * kConvBlock, i1 = std::min(C, b1 * kConvBlock);
+      for (int64_t t = 0; t < T; ++t) {
+        float* ct = c.data() + t * C;
+        const float* h0 = hist.data() + t * C;
+        for (int64_t i = i0; i < i1; ++i) ct[i] = h0[i] * wt[i];
+        for (int64_t j = 1; j < K; ++j) {
+          const float* hj = hist.data() + (t + j) * C;
+          const float* wj = wt + j * C;
+          for (int64_t i = i0; i < i1; ++i) ct[i] = ct[i] + hj[i] * wj[i];
+        }
+        silu_inplace(ct + i0, i1 - i0);
+      }
+    });
     for (int64_t t = 0; t < T; ++t) {
       float* ct = c.data() + t * C;
-      const float* h0 = hist.data() + t * C;
-      for (int64_t i = 0; i < C; ++i) ct[i] = h0[i] * wt[i];
-      for (int64_t j = 1; j < K; ++j) {
-        const float* hj = hist.data() + (t + j) * C;
-        const float* wj = wt + j * C;
-        for (int64_t i = 0; i < C; ++i) ct[i] = ct[i] + hj[i] * wj[i];
-      }
-      silu_inplace(ct, C);
       for (int64_t g = 0; g < 2 * nk; ++g) {  // q heads, then k heads
         float* v = ct + g * dk;
         const float inv = 1.0f / std::sqrt(dot(v, v, dk) + 1e-6f);
