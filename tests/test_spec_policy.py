@@ -8,7 +8,8 @@ from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import policy
 from mtpllm.speculative import SpecConfig
-from mtpllm.speculative.policy import (PROBE_MAX, BatchTable, batch_rows, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
+from mtpllm.speculative.policy import (PROBE_MAX, BatchTable, batch_rows, Calibration, ChainPolicyState, CostPolicy, Costs,
+                                       PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
 from tiny import gpt2_vocab, make_tiny
 
@@ -110,6 +111,32 @@ def test_accepted_probes_that_do_not_pay_stay_rare():
     assert sum(1 for n in chosen[200:] if n) <= 800 // PROBE_MAX * 2
 
 
+def test_a_new_request_starts_from_what_earlier_requests_showed():
+    """A proposer whose drafts all say confidence 1 (n-gram lookup) but are accepted half the time:
+    a request's record learns that, and so does the decoder's `Calibration`, from which the next
+    request starts: its first drafts are priced at about 1/2 each, not at face value. A proposer
+    whose confidence was right (the head) keeps its word."""
+    base = Calibration()
+    first = PolicyState(base=base)
+    assert first.calibrated(0, 1.0) == 1.0  # nothing seen yet anywhere: the proposer's word
+    for t in range(200):  # drafts 0 and 1 verified; the first accepted every other step
+        first.observe([1.0, 1.0], 1 if t % 2 else 0)
+    assert base.scale(0) == pytest.approx(0.5, abs=0.02)
+    fresh = PolicyState(base=base)
+    assert fresh.calibrated(0, 1.0) == pytest.approx(0.5, abs=0.02)
+    assert PolicyState().calibrated(0, 1.0) == 1.0  # without a base: face value, as before
+    # position 1 was verified only after an accepted first draft (never accepted here): its own figure
+    assert fresh.calibrated(1, 1.0) < 0.05
+    head = Calibration()
+    rec = PolicyState(base=head)
+    for t in range(200):  # confidence 0.6, accepted 3 times in 5: calibrated
+        rec.observe([0.6], 1 if t % 5 < 3 else 0)
+    assert PolicyState(base=head).calibrated(0, 0.6) == pytest.approx(0.6, abs=0.02)
+    # a chain's members each learn their own
+    chain = ChainPolicyState(2, [base, head])
+    assert chain.members[0].base is base and chain.members[1].base is head
+
+
 def test_depth_bands():
     assert [depth_band(d) for d in (0, 511, 512, 1023, 1024, 8192, 32768)] == [0, 0, 1, 1, 2, 5, 7]
 
@@ -122,6 +149,24 @@ def target(tiny_dir):
 
 def _plain(engine, params=GREEDY, prompt=PROMPT):
     return engine.generate(prompt, SamplingParams(**params), chat=False)
+
+
+def test_decoder_shares_its_calibration_across_requests(target):
+    """The same decoder serving two requests in turn: its calibration (one per proposer of the
+    chain) holds the first request's verified drafts when the second starts, and both requests give
+    plain decoding's text."""
+    ref = _plain(target)
+    dec = SpecConfig("ngram", 3, policy="cost", fallback=SpecConfig("mtp")).build(target)
+    set_step_costs(target, [1.0, 1.1, 1.2, 1.3], 0.05)
+    try:
+        first = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=dec)
+        seen = [sum(c.confidence) for c in dec._calib]
+        second = target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=dec)
+    finally:
+        set_step_costs(target, None)
+    assert first.tokens == second.tokens == ref.tokens
+    assert len(dec._calib) == 2 and sum(seen) > 0  # the first request's verified drafts
+    assert sum(sum(c.confidence) for c in dec._calib) > sum(seen)  # the second's add to the same records
 
 
 def test_bad_head_converges_to_plain_on_a_model(target):

@@ -24,7 +24,7 @@ import torch
 
 from ..runtime.kernels import argmax
 from ..runtime.sampling import Sampler
-from .policy import ChainPolicyState, CostPolicy, PolicyState, batch_rows, depth_band, step_costs
+from .policy import Calibration, ChainPolicyState, CostPolicy, PolicyState, batch_rows, depth_band, step_costs
 # proposers import common_prefix from here
 from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
@@ -255,6 +255,7 @@ class SpeculativeDecoder:
     def __init__(self, proposer, cfg):
         self.proposer = proposer
         self.cfg = cfg
+        self._calib: list[Calibration] | None = None  # the cost policy's, per proposer (`Calibration`)
 
     def new_state(self, seq):
         return seq.slot.draft_state(self.proposer)
@@ -281,7 +282,9 @@ class SpeculativeDecoder:
         seq.x0 = x0
         if self.cfg.policy == "cost":
             chain = getattr(self.proposer, "names", None)
-            seq.policy = ChainPolicyState(len(chain)) if chain else PolicyState()
+            if self._calib is None:  # per proposer, shared by the requests this decoder serves
+                self._calib = [Calibration() for _ in chain or [None]]
+            seq.policy = ChainPolicyState(len(chain), self._calib) if chain else PolicyState(base=self._calib[0])
             self._costs(engine, seq)  # measured at this depth before the first step, if not yet
         return seq.block([x0], 0, logits)
 
