@@ -363,9 +363,8 @@ class Calibration:
     position, discounted sums (CROSS_GAMMA per new verification) of the confidences of its verified
     drafts and of its accepted ones. A request's record starts from this calibration (accepted per
     unit of confidence) instead of taking the proposer at its word: n-gram lookup gives every draft
-    confidence 1, and its drafts of code answers are accepted ~75% of the time, so a request that
-    began at face value verified up to 8 lookup drafts it expected all of (at 8 sequences in one
-    step, 1,321 expected against 1,066 accepted: rows that did not pay)."""
+    confidence 1 while its drafts of code answers are accepted about 3 times in 4, so a request that
+    began at face value verified runs of lookup drafts it expected all of."""
 
     def __init__(self):
         self.accepted: list[float] = []
