@@ -35,6 +35,9 @@ KINDS = ["qwen35", "qwen35moe", "qwen3next"]
 # value heads of 64: the C++ delta rule's column-block path (value heads a multiple of 32 wide) besides
 # the row path the other checkpoints (value heads of 8) take
 WIDE = {"linear_key_head_dim": 32, "linear_value_head_dim": 64}
+# 1,536 convolution channels: a block of 20 rows splits the convolution between threads by channel
+# blocks (hybrid.cpp kConvBlock), which one row never does
+MANY = dict(WIDE, linear_num_key_heads=8, linear_num_value_heads=16)
 TOKENS = [5, 17, 200, 33, 9, 101, 44, 3, 250, 7, 66, 12] * 4
 CHUNKS = [20, 1, 5, 1, 1, 7, 1, 3, 1, 8]  # all below 32 rows: decoding and verification blocks
 TOL_F32 = 2e-5
@@ -53,6 +56,8 @@ def files(tmp_path_factory):
     d, _ = tiny_hybrid.make_tiny_hf(root / "wide", "qwen35", echo=0.1, **WIDE)
     out["wide"] = {"f32": tiny_hybrid.hf_to_gguf(d, root / "wide-f32.gguf"),
                    "q8": tiny_hybrid.hf_to_gguf(d, root / "wide-q8.gguf", QT.Q8_0)}
+    d, _ = tiny_hybrid.make_tiny_hf(root / "many", "qwen35", echo=0.1, **MANY)
+    out["many"] = {"q8": tiny_hybrid.hf_to_gguf(d, root / "many-q8.gguf", QT.Q8_0)}
     return out
 
 
@@ -108,7 +113,7 @@ def test_cpp_path_is_taken_and_agrees_with_pytorch(files, kind, weights):
 
 
 @pytest.mark.parametrize("kind,block,rejected", [("qwen35", 6, 2), ("qwen35moe", 5, 4), ("qwen3next", 3, 1),
-                                                  ("wide", 4, 2)])
+                                                  ("wide", 4, 2), ("many", 20, 5)])
 def test_rows_are_independent_and_rollback_is_exact(files, kind, block, rejected):
     """On the C++ path: a verification block gives each row what decoding it alone gives, bit for
     bit, and after `trim(rejected)` the state is exactly that of feeding only the kept rows."""

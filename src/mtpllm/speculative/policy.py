@@ -19,7 +19,9 @@ The three inputs:
 - the head's confidence: the probability it gives each draft. Before a draft is kept, its
   expected acceptance is that probability times this request's calibration at its position
   (accepted / sum of confidences so far; heads are over-confident at long contexts they were not
-  trained on), and drafting stops at the first draft whose expected tokens do not pay its row.
+  trained on), pulled by CALIB_N observations towards the calibration the decoder's earlier
+  requests showed for that proposer (`Calibration`; n-gram lookup says 1 for every draft), and
+  drafting stops at the first draft whose expected tokens do not pay its row.
 - this request's acceptance: per position, the (discounted) share of verified drafts accepted.
   Before drafting, when even the best k on that record does not beat a plain step, the step is
   plain and nothing is drafted. A single-draft probe every few plain steps (4, doubling up to 64
@@ -371,12 +373,13 @@ class Calibration:
         self.confidence: list[float] = []
 
     def scale(self, i: int) -> float:
-        """Accepted per unit of confidence at position i (all positions pooled while i has fewer
-        than one verification's worth; 1 with none at all)."""
+        """Accepted per unit of confidence at position i (all positions pooled while i's verified
+        drafts add up to less than one unit of confidence), pulled towards face value (1) by
+        CALIB_N units: one early rejection or one lucky low-confidence draft does not decide it."""
         a, c = (self.accepted[i], self.confidence[i]) if i < len(self.confidence) else (0.0, 0.0)
         if c < 1.0:
             a, c = sum(self.accepted), sum(self.confidence)
-        return a / c if c > 0.0 else 1.0
+        return (a + CALIB_N) / (c + CALIB_N)
 
     def observe(self, confs: list[float], n_accepted: int) -> None:
         for i in range(min(len(confs), n_accepted + 1)):  # the positions verified
@@ -463,6 +466,7 @@ class ChainPolicyState:
     plain step already (`skip`); `observe` records the verification on the member that drafted."""
 
     def __init__(self, n: int, bases: list[Calibration] | None = None):
+        assert bases is None or len(bases) == n
         self.members = [PolicyState(base=b) for b in (bases or [None] * n)]
         self.active: int | None = None
 

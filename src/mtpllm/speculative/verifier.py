@@ -252,10 +252,12 @@ class SpeculativeDecoder:
     proposer. The proposer's weights are shared; its per-sequence state is `seq.draft`."""
     speculative = True
 
-    def __init__(self, proposer, cfg):
+    def __init__(self, proposer, cfg, calib: list | None = None):
         self.proposer = proposer
         self.cfg = cfg
-        self._calib: list[Calibration] | None = None  # the cost policy's, per proposer (`Calibration`)
+        # the cost policy's calibration per proposer (`Calibration`), shared by the requests this
+        # decoder serves (and by decoders made from it with another draft length: `calib`)
+        self._calib: list[Calibration] = calib or [Calibration() for _ in getattr(proposer, "names", None) or [None]]
 
     def new_state(self, seq):
         return seq.slot.draft_state(self.proposer)
@@ -282,8 +284,6 @@ class SpeculativeDecoder:
         seq.x0 = x0
         if self.cfg.policy == "cost":
             chain = getattr(self.proposer, "names", None)
-            if self._calib is None:  # per proposer, shared by the requests this decoder serves
-                self._calib = [Calibration() for _ in chain or [None]]
             seq.policy = ChainPolicyState(len(chain), self._calib) if chain else PolicyState(base=self._calib[0])
             self._costs(engine, seq)  # measured at this depth before the first step, if not yet
         return seq.block([x0], 0, logits)

@@ -124,8 +124,9 @@ struct HLayer {
 // One row of the delta rule for one head: state src [dk, dv] -> the new state, written to loc (the
 // working copy, may be src) or, kStore (the last row), to dst (the cache's slot) only; kOut: o = S^T q
 // (a replayed row has no output: q and o unused). Two sweeps: the first only reads (mem = exp(g) S^T k,
-// the decay applied once per column, not per element), the second computes S exp(g) + k delta^T with
-// delta = beta (v - mem) and o. The arithmetic per element is fixed (the same for every row count and
+// the decay applied once per column, not per element; v - mem is one fused multiply-add, written out in
+// every path so that none depends on the compiler's contraction), the second computes S exp(g) + k delta^T
+// with delta = beta (v - mem) and o. The arithmetic per element is fixed (the same for every row count and
 // thread, with or without output).
 template <bool kOut, bool kStore>
 inline void delta_rule_row(const float* src, float* loc, float* dst, const float* q, const float* k, const float* v,
@@ -144,8 +145,8 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
     }
     const __m256 vb = _mm256_set1_ps(bt);
     for (int64_t j = 0; j < dv; j += 8)
-      _mm256_storeu_ps(delta + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j),
-                                                               _mm256_mul_ps(_mm256_loadu_ps(mem + j), vd)), vb));
+      _mm256_storeu_ps(delta + j,
+                       _mm256_mul_ps(_mm256_fnmadd_ps(_mm256_loadu_ps(mem + j), vd, _mm256_loadu_ps(v + j)), vb));
     for (int64_t i = 0; i < dk; ++i) {
       const float* sr = src + i * dv;
       float* lr = loc + i * dv;
@@ -166,7 +167,7 @@ inline void delta_rule_row(const float* src, float* loc, float* dst, const float
   }
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) mem[j] = std::fma(src[i * dv + j], k[i], mem[j]);
-  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - mem[j] * dec) * bt;
+  for (int64_t j = 0; j < dv; ++j) delta[j] = std::fma(-mem[j], dec, v[j]) * bt;
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
       const float sv = std::fma(k[i], delta[j], src[i * dv + j] * dec);
@@ -187,6 +188,7 @@ struct DeltaRow {
 };
 
 constexpr int64_t kConvBlock = 256;  // channels per task of the DeltaNet convolution
+static_assert(kConvBlock % 8 == 0, "a block boundary must not move an element between vector and scalar code");
 constexpr int64_t kCols = 32;  // state columns per block in delta_rule_head: 4 registers of 8
 
 // rows [0, n) of the delta rule over one head's state, read from `from` [dk, dv]; the state after row
@@ -230,7 +232,7 @@ inline void delta_rule_head(float* from, float* dst, const DeltaRow* rows, int64
         for (int c = 0; c < 4; ++c) m[c] = _mm256_fmadd_ps(_mm256_loadu_ps(sr + 8 * c), ki, m[c]);
       }
       for (int c = 0; c < 4; ++c)
-        d[c] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(R.v + j0 + 8 * c), _mm256_mul_ps(m[c], vd)), vb);
+        d[c] = _mm256_mul_ps(_mm256_fnmadd_ps(m[c], vd, _mm256_loadu_ps(R.v + j0 + 8 * c)), vb);
       const bool last = t == n - 1;
       for (int64_t i = 0; i < dk; ++i) {
         const __m256 ki = _mm256_set1_ps(R.k[i]), qi = _mm256_set1_ps(R.o ? R.q[i] : 0.0f);
