@@ -365,8 +365,8 @@ class Calibration:
     position, discounted sums (CROSS_GAMMA per new verification) of the confidences of its verified
     drafts and of its accepted ones. A request's record starts from this calibration (accepted per
     unit of confidence) instead of taking the proposer at its word: n-gram lookup gives every draft
-    confidence 1 while its drafts of code answers are accepted about 3 times in 4, so a request that
-    began at face value verified runs of lookup drafts it expected all of."""
+    confidence 1 while far fewer of its drafts are accepted, so a request that began at face value
+    verified runs of lookup drafts it expected all of."""
 
     def __init__(self):
         self.accepted: list[float] = []
