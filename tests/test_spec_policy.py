@@ -2,13 +2,16 @@
 (deterministic, nothing timed), its convergence to plain steps under bad drafts and to the full
 draft length under good ones, and the same on tiny real models (costs given through
 `set_step_costs`, the seam that replaces the timing)."""
+from dataclasses import replace
+
 import pytest
 
 from mtpllm.runtime.engine import Engine
 from mtpllm.runtime.sampling import SamplingParams
 from mtpllm.speculative import policy
 from mtpllm.speculative import SpecConfig
-from mtpllm.speculative.policy import (PROBE_MAX, BatchTable, batch_rows, CostPolicy, Costs, PolicyState, StepCosts, best_k, depth_band,
+from mtpllm.speculative.policy import (PROBE_MAX, BatchTable, batch_rows, Calibration, ChainPolicyState, CostPolicy, Costs,
+                                       PolicyState, StepCosts, best_k, depth_band,
                                        expected_tokens, keeps, set_step_costs, step_costs)
 from tiny import gpt2_vocab, make_tiny
 
@@ -110,6 +113,38 @@ def test_accepted_probes_that_do_not_pay_stay_rare():
     assert sum(1 for n in chosen[200:] if n) <= 800 // PROBE_MAX * 2
 
 
+def test_a_new_request_starts_from_what_earlier_requests_showed():
+    """A proposer whose drafts all say confidence 1 (n-gram lookup) but are accepted half the time:
+    a request's record learns that, and so does the decoder's `Calibration`, from which the next
+    request starts: its first drafts are priced at about 1/2 each, not at face value, and its own
+    record then pulls it from there. A proposer whose confidence was right (the head) keeps its word;
+    one early rejection does not switch a proposer off."""
+    base = Calibration()
+    first = PolicyState(base=base)
+    assert first.calibrated(0, 1.0) == 1.0  # nothing seen yet anywhere: the proposer's word
+    first.observe([1.0], 0)  # one rejection: shrunk towards face value, not to 0
+    assert 0.5 < PolicyState(base=base).calibrated(0, 1.0) < 1.0
+    for t in range(200):  # drafts 0 and 1 verified; the first accepted every other step
+        first.observe([1.0, 1.0], 1 if t % 2 else 0)
+    assert base.scale(0) == pytest.approx(0.5, abs=0.02)
+    fresh = PolicyState(base=base)
+    assert fresh.calibrated(0, 1.0) == pytest.approx(0.5, abs=0.02)
+    assert PolicyState().calibrated(0, 1.0) == 1.0  # without a base: face value
+    # position 1 was verified only after an accepted first draft (never accepted here): its own figure
+    assert fresh.calibrated(1, 1.0) < 0.05
+    # the request's own record weighs against the base: three accepted drafts lift it part of the way
+    for _ in range(3):
+        fresh.observe([1.0], 1)
+    assert 0.55 < fresh.calibrated(0, 1.0) < 0.95
+    head = Calibration()
+    rec = PolicyState(base=head)
+    for t in range(200):  # confidence 0.6, accepted 3 times in 5: calibrated
+        rec.observe([0.6], 1 if t % 5 < 3 else 0)
+    assert PolicyState(base=head).calibrated(0, 0.6) == pytest.approx(0.6, abs=0.02)
+    chain = ChainPolicyState(2, [base, head])  # a chain's members each learn their own
+    assert chain.members[0].base is base and chain.members[1].base is head
+
+
 def test_depth_bands():
     assert [depth_band(d) for d in (0, 511, 512, 1023, 1024, 8192, 32768)] == [0, 0, 1, 1, 2, 5, 7]
 
@@ -122,6 +157,32 @@ def target(tiny_dir):
 
 def _plain(engine, params=GREEDY, prompt=PROMPT):
     return engine.generate(prompt, SamplingParams(**params), chat=False)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_decoder_shares_its_calibration_across_requests(target, chain):
+    """The same decoder serving two requests in turn: its calibration (one per proposer) receives
+    both requests' verified drafts, a decoder made from it with another draft length (a request's
+    own `speculative.n_max` in the server) shares it, and every request gives plain decoding's text."""
+    ref = _plain(target)
+    cfg = SpecConfig("ngram", 3, policy="cost", fallback=SpecConfig("mtp") if chain else None)
+    dec = cfg.build(target)
+    assert len(dec._calib) == (2 if chain else 1)
+    seen = []
+    for cal in dec._calib:  # count the verifications each calibration receives
+        cal.observe = (lambda f, c: lambda confs, n: (seen.append(c), f(confs, n)))(cal.observe, cal)
+    set_step_costs(target, [1.0, 1.1, 1.2, 1.3], 0.05)
+    try:
+        outs = [target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=dec)]
+        n_first = len(seen)
+        outs.append(target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=dec))
+        n_second = len(seen)
+        shorter = type(dec)(dec.proposer, replace(dec.cfg, num_speculative_tokens=2), dec._calib)
+        outs.append(target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=shorter))
+    finally:
+        set_step_costs(target, None)
+    assert all(o.tokens == ref.tokens for o in outs)
+    assert 0 < n_first < n_second < len(seen)
 
 
 def test_bad_head_converges_to_plain_on_a_model(target):

@@ -89,4 +89,4 @@ def request_spec(spec, body: dict):
     if k == hi:
         return spec
     cfg = replace(spec.cfg, num_speculative_tokens=k, min_speculative_tokens=min(spec.cfg.min_speculative_tokens, k))
-    return type(spec)(spec.proposer, cfg)
+    return type(spec)(spec.proposer, cfg, spec._calib)  # the server's calibration, shared

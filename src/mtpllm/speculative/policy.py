@@ -19,7 +19,9 @@ The three inputs:
 - the head's confidence: the probability it gives each draft. Before a draft is kept, its
   expected acceptance is that probability times this request's calibration at its position
   (accepted / sum of confidences so far; heads are over-confident at long contexts they were not
-  trained on), and drafting stops at the first draft whose expected tokens do not pay its row.
+  trained on), pulled by CALIB_N observations towards the calibration the decoder's earlier
+  requests showed for that proposer (`Calibration`; n-gram lookup says 1 for every draft), and
+  drafting stops at the first draft whose expected tokens do not pay its row.
 - this request's acceptance: per position, the (discounted) share of verified drafts accepted.
   Before drafting, when even the best k on that record does not beat a plain step, the step is
   plain and nothing is drafted. A single-draft probe every few plain steps (4, doubling up to 64
@@ -49,7 +51,8 @@ from ..models.base import step_logits
 GAMMA = 0.9  # discount of a position's older observations per new one (~10 of memory)
 PRIOR = 0.6  # acceptance assumed before any verification, weight PRIOR_N observations
 PRIOR_N = 2.0
-CALIB_N = 2.0  # observations' worth of trust in the head's own confidence (a calibration of 1)
+CALIB_N = 2.0  # observations' worth of the calibration a request starts from (`Calibration`)
+CROSS_GAMMA = 0.99  # discount of a proposer's older verified drafts across requests (~100 of memory)
 PROBE_MIN, PROBE_MAX = 4, 64  # plain steps between single-draft probes while drafts do not pay
 DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyond gets its own
 DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
@@ -357,9 +360,41 @@ def batch_rows(n_rows: int, gains: list[list[float]], musts: list[int], seconds,
     return keep
 
 
+class Calibration:
+    """What one proposer's confidence was worth across the requests a decoder served: per draft
+    position, discounted sums (CROSS_GAMMA per new verification) of the confidences of its verified
+    drafts and of its accepted ones. A request's record starts from this calibration (accepted per
+    unit of confidence) instead of taking the proposer at its word: n-gram lookup gives every draft
+    confidence 1 while far fewer of its drafts are accepted, so a request that began at face value
+    verified runs of lookup drafts it expected all of."""
+
+    def __init__(self):
+        self.accepted: list[float] = []
+        self.confidence: list[float] = []
+
+    def scale(self, i: int) -> float:
+        """Accepted per unit of confidence at position i (all positions pooled while i's verified
+        drafts add up to less than one unit of confidence), pulled towards face value (1) by
+        CALIB_N units: one early rejection or one lucky low-confidence draft does not decide it."""
+        a, c = (self.accepted[i], self.confidence[i]) if i < len(self.confidence) else (0.0, 0.0)
+        if c < 1.0:
+            a, c = sum(self.accepted), sum(self.confidence)
+        return (a + CALIB_N) / (c + CALIB_N)
+
+    def observe(self, confs: list[float], n_accepted: int) -> None:
+        for i in range(min(len(confs), n_accepted + 1)):  # the positions verified
+            if i == len(self.confidence):
+                self.accepted.append(0.0)
+                self.confidence.append(0.0)
+            self.accepted[i] = self.accepted[i] * CROSS_GAMMA + (i < n_accepted)
+            self.confidence[i] = self.confidence[i] * CROSS_GAMMA + confs[i]
+
+
 @dataclass
 class PolicyState:
-    """One sequence's record: discounted counts per draft position."""
+    """One sequence's record: discounted counts per draft position; `base`: its proposer's
+    calibration across requests (None: confidence taken at its word until this request's own
+    record says otherwise)."""
     reached: list[float] = field(default_factory=list)  # verified with every earlier draft accepted
     accepted: list[float] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)  # sum of the head's confidence in those
@@ -371,6 +406,7 @@ class PolicyState:
     gains: list[float] = field(default_factory=list)  # their expected tokens: P(accepted with all before)
     must: int = 0  # leading drafts verified whatever a batch's plan says (a probe: the record's only way to learn)
     gate: bool = True  # whether this step's record said drafting pays (else only a probe is drafted)
+    base: Calibration | None = None
 
     def _grow(self, n: int) -> None:
         while len(self.reached) < n:
@@ -384,16 +420,17 @@ class PolicyState:
         return [(self.accepted[i] + PRIOR_N * PRIOR) / (self.reached[i] + PRIOR_N) for i in range(k)]
 
     def calibrated(self, i: int, conf: float) -> float:
-        """The chance that draft i is accepted, from the head's confidence in it and how this
-        request's accepted drafts compared with the head's confidence so far."""
+        """The chance that draft i is accepted, from the proposer's confidence in it and how this
+        request's accepted drafts compared with that confidence so far."""
         self._grow(i + 1)
+        base = 1.0 if self.base is None else self.base.scale(i)
         r, a, c = self.reached[i], self.accepted[i], self.confidence[i]
         if r < 0.5:  # hardly verified at this position yet: all positions together
             r, a, c = sum(self.reached), sum(self.accepted), sum(self.confidence)
         if r <= 0 or c <= 0:
-            return min(1.0, max(0.0, conf))  # nothing verified: the head's word
-        # accepted / expected, in units of observations, pulled towards 1 by CALIB_N of them
-        scale = (a * r / c + CALIB_N) / (r + CALIB_N)
+            return min(1.0, max(0.0, conf * base))  # nothing verified: as earlier requests went
+        # accepted / expected, in units of observations, pulled towards the base by CALIB_N of them
+        scale = (a * r / c + CALIB_N * base) / (r + CALIB_N)
         return min(1.0, max(0.0, conf * scale))
 
     def observe(self, confs: list[float], n_accepted: int) -> None:
@@ -404,6 +441,8 @@ class PolicyState:
             self.probing = False
             return
         self._grow(n)
+        if self.base is not None:
+            self.base.observe(confs, n_accepted)
         for i in range(min(n, n_accepted + 1)):  # positions reached: older observations weigh less
             self.reached[i] *= GAMMA
             self.accepted[i] *= GAMMA
@@ -426,8 +465,9 @@ class ChainPolicyState:
     verifies (None: a plain step). Members asked this step that did not draft have counted it as a
     plain step already (`skip`); `observe` records the verification on the member that drafted."""
 
-    def __init__(self, n: int):
-        self.members = [PolicyState() for _ in range(n)]
+    def __init__(self, n: int, bases: list[Calibration] | None = None):
+        assert bases is None or len(bases) == n
+        self.members = [PolicyState(base=b) for b in (bases or [None] * n)]
         self.active: int | None = None
 
     @property

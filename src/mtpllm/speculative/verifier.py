@@ -24,7 +24,7 @@ import torch
 
 from ..runtime.kernels import argmax
 from ..runtime.sampling import Sampler
-from .policy import ChainPolicyState, CostPolicy, PolicyState, batch_rows, depth_band, step_costs
+from .policy import Calibration, ChainPolicyState, CostPolicy, PolicyState, batch_rows, depth_band, step_costs
 # proposers import common_prefix from here
 from ..runtime.sequence import Block, common_prefix, run_steps  # noqa: F401
 
@@ -252,9 +252,12 @@ class SpeculativeDecoder:
     proposer. The proposer's weights are shared; its per-sequence state is `seq.draft`."""
     speculative = True
 
-    def __init__(self, proposer, cfg):
+    def __init__(self, proposer, cfg, calib: list | None = None):
         self.proposer = proposer
         self.cfg = cfg
+        # the cost policy's calibration per proposer (`Calibration`), shared by the requests this
+        # decoder serves (and by decoders made from it with another draft length: `calib`)
+        self._calib: list[Calibration] = calib or [Calibration() for _ in getattr(proposer, "names", None) or [None]]
 
     def new_state(self, seq):
         return seq.slot.draft_state(self.proposer)
@@ -281,7 +284,7 @@ class SpeculativeDecoder:
         seq.x0 = x0
         if self.cfg.policy == "cost":
             chain = getattr(self.proposer, "names", None)
-            seq.policy = ChainPolicyState(len(chain)) if chain else PolicyState()
+            seq.policy = ChainPolicyState(len(chain), self._calib) if chain else PolicyState(base=self._calib[0])
             self._costs(engine, seq)  # measured at this depth before the first step, if not yet
         return seq.block([x0], 0, logits)
 
