@@ -2,8 +2,6 @@
 (deterministic, nothing timed), its convergence to plain steps under bad drafts and to the full
 draft length under good ones, and the same on tiny real models (costs given through
 `set_step_costs`, the seam that replaces the timing)."""
-from dataclasses import replace
-
 import pytest
 
 from mtpllm.runtime.engine import Engine
@@ -177,7 +175,7 @@ def test_decoder_shares_its_calibration_across_requests(target, chain):
         n_first = len(seen)
         outs.append(target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=dec))
         n_second = len(seen)
-        shorter = type(dec)(dec.proposer, replace(dec.cfg, num_speculative_tokens=2), dec._calib)
+        shorter = dec.with_draft_length(2)
         outs.append(target.generate(PROMPT, SamplingParams(**GREEDY), chat=False, speculative=shorter))
     finally:
         set_step_costs(target, None)

@@ -97,7 +97,7 @@ class Server:
         scheduler has stopped accepting (shutting down)."""
         with self._count:
             if not self.scheduler.accepting:
-                raise P.ApiError("the server is shutting down", 503, "unavailable_error")
+                raise _gone("the server is shutting down")
             if self.waiting + self.busy >= self.parallel + self.max_queue:
                 raise _busy(f"the server is busy: {self.busy} generating and {self.waiting} waiting "
                             f"(at most {self.max_queue} may wait); retry shortly")
@@ -143,7 +143,7 @@ class Server:
             except QueueFull as exc:  # admitted above, but the scheduler's own queue is full
                 raise _busy(str(exc)) from None
             except ShuttingDown as exc:  # it stopped accepting since the request was admitted
-                raise P.ApiError(str(exc), 503, "unavailable_error") from None
+                raise _gone(str(exc)) from None
             while True:
                 try:
                     item = req.queue.get(timeout=0.05)
@@ -177,3 +177,8 @@ class Server:
 def _busy(message: str) -> P.ApiError:
     """429 with Retry-After: the queue is full, retry shortly."""
     return P.ApiError(message, 429, "unavailable_error", headers={"Retry-After": "1"})
+
+
+def _gone(message: str) -> P.ApiError:
+    """503: this server is shutting down."""
+    return P.ApiError(message, 503, "unavailable_error")

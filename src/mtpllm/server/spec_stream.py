@@ -23,7 +23,6 @@ this request), or llama.cpp's `"speculative.n_max": k`, clamped to that range. T
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from .protocol import BadRequest
 
@@ -88,5 +87,4 @@ def request_spec(spec, body: dict):
         return None
     if k == hi:
         return spec
-    cfg = replace(spec.cfg, num_speculative_tokens=k, min_speculative_tokens=min(spec.cfg.min_speculative_tokens, k))
-    return type(spec)(spec.proposer, cfg, spec._calib)  # the server's calibration, shared
+    return spec.with_draft_length(k)  # the server's proposer and calibration, shared

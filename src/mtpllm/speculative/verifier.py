@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -258,6 +258,13 @@ class SpeculativeDecoder:
         # the cost policy's calibration per proposer (`Calibration`), shared by the requests this
         # decoder serves (and by decoders made from it with another draft length: `calib`)
         self._calib: list[Calibration] = calib or [Calibration() for _ in getattr(proposer, "names", None) or [None]]
+
+    def with_draft_length(self, k: int) -> "SpeculativeDecoder":
+        """The same proposer (its weights) and calibration with at most k drafts per step (a
+        request's own draft length in the server)."""
+        cfg = replace(self.cfg, num_speculative_tokens=k,
+                      min_speculative_tokens=min(self.cfg.min_speculative_tokens, k))
+        return type(self)(self.proposer, cfg, self._calib)
 
     def new_state(self, seq):
         return seq.slot.draft_state(self.proposer)
