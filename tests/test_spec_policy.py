@@ -460,7 +460,7 @@ def test_batch_costs_arithmetic():
     to verify as many (rows[r - 1] = (T(n) + n (r - 1) m) / T(n)); the draft cost is scaled to the
     batch's step."""
     t = StepCosts()
-    t.batch[(0, 2)] = BatchTable([2e-3, 2.5e-3, 3e-3, 5e-3, 8e-3])  # 2..6 rows: 0.5 ms per row from 3 to 4
+    t.batch[(0, 2)] = BatchTable([2e-3, 2.5e-3, 3e-3, 5e-3, 8e-3], 2)  # 2..6 rows: 0.5 ms per row from 3 to 4
     base = Costs([1.0, 1.1, 1.2], 0.05, 1.0)
 
     class Seq:  # only the cache's depth is read when the table already has the batch's times
@@ -473,7 +473,7 @@ def test_batch_costs_arithmetic():
     assert c.draft == pytest.approx(0.05 * 2 * 1.0 / 2.0)
     assert t.batch_costs(None, Seq, 1, 3, base) is base  # one sequence: its own table
     assert t.batch_table(10, 2) == t.batch[(0, 2)].timed and t.batch_table(600, 2) is None
-    t.batch[(0, 2)].off = 1e-3  # what the steps run add to every count not run yet: in the prices too
+    t.batch[(0, 2)].observe(0, 3e-3, 1.0)  # plain steps 1 ms dearer than timed: so is every count above
     assert t.batch_table(10, 2) == pytest.approx([3e-3, 3.5e-3, 4e-3, 6e-3, 9e-3])
     assert t.batch_costs(None, Seq, 2, 3, base).rows == pytest.approx([1.0, 4 / 3, 5 / 3])
 
@@ -519,11 +519,12 @@ def test_a_batch_table_is_timed_at_n_n_plus_1_and_2n_rows_and_extended(monkeypat
 
 def test_observed_steps_move_the_batch_table():
     """A step's observed time moves the table's time at its own row count (a running mean); the
-    counts no step has run yet are priced at their timed time plus the mean error of the steps
-    observed so far (plain steps, the most frequent, carry bookkeeping the timed forwards lack:
-    the counts never run must not look cheap beside them); a count once run keeps its own time."""
+    counts no step has run yet are priced at their timed time plus the error of the counts run:
+    above the highest with its error (plain steps, the most frequent, carry bookkeeping the timed
+    forwards lack: the counts never run must not look cheap beside them), between two on the line
+    between their errors; a count once run keeps its own time."""
     t = StepCosts()
-    t.batch[(0, 2)] = BatchTable([2e-3, 3e-3, 8e-3])
+    t.batch[(0, 2)] = BatchTable([2e-3, 3e-3, 8e-3], 2)
     for _ in range(300):
         t.observe_step([10, 20], 2, 2.5e-3)  # plain steps: 0.5 ms more than timed
     tab = t.batch_table(10, 2)
@@ -532,17 +533,17 @@ def test_observed_steps_move_the_batch_table():
         t.observe_step([10, 20], 4, 12e-3)  # the 4-row steps: 4 ms dearer than timed
     tab = t.batch_table(10, 2)
     assert tab[0] == pytest.approx(2.5e-3) and tab[2] == pytest.approx(12e-3)
-    assert tab[1] == pytest.approx(3e-3 + 4e-3)  # never run: the latest mean error
+    assert tab[1] == pytest.approx(3e-3 + (0.5e-3 + 4e-3) / 2)  # never run: between its neighbours' errors
     assert t.observed == 600
     # every band the sequences are in learns from the step; other batch sizes and bands do not
-    t.batch[(1, 2)] = BatchTable([4e-3, 6e-3])
-    t.batch[(0, 3)] = BatchTable([4e-3, 6e-3])
+    t.batch[(1, 2)] = BatchTable([4e-3, 6e-3], 2)
+    t.batch[(0, 3)] = BatchTable([4e-3, 6e-3], 3)
     t.observe_step([10, 600], 2, 2e-3)
     assert t.batch_table(10, 2)[0] < 2.5e-3 and t.batch_table(600, 2)[0] < 4e-3
     assert t.batch_table(10, 3) == [4e-3, 6e-3]
 
     def state():
-        return {k: (list(v.now), v.off, set(v.seen)) for k, v in t.batch.items()}
+        return {k: (list(v.now), list(v.hits)) for k, v in t.batch.items()}
     before = state()
     t.observe_step([10], 1, 1.0)  # one sequence: its own table, not a batch's
     t.observe_step([10, 20], 5, 1.0)  # past the table's last count: nothing to move
@@ -552,6 +553,32 @@ def test_observed_steps_move_the_batch_table():
     fixed.observe_step([1, 2], 2, 1.0)
     fixed.observe_draft("k", 1, 100.0, 1)
     assert fixed.get(1, 2, "k").draft == 0.1  # given costs stay as given
+
+
+def test_a_batch_seen_only_at_many_rows_prices_fewer_rows_by_their_rows():
+    """Three sequences whose rows were timed nearly free (1 ms at 3..15 rows) but whose steps all
+    ran 15 rows at 125 ms: were the extra time priced as a cost of every step, 3 rows would look as
+    dear as 15, drafts free, and the batch would never run fewer rows to learn otherwise. Below the
+    lowest count run, the error scales with the rows: the prices rise with the rows, and the first
+    plain step observed sets its own count and the line from it to 15 rows."""
+    tab = BatchTable([1e-3] * 13, 3)
+    for _ in range(5):
+        tab.observe(12, 0.125, 0.1)
+    got = tab.seconds()
+    err = got[12] - 1e-3
+    assert got[12] == pytest.approx((1e-3 + 5 * 0.125) / 6)  # the first observations average, the price counting as one
+    assert got == pytest.approx([1e-3 + err * (3 + i) / 15 for i in range(12)] + [got[12]])
+    assert all(b > a for a, b in zip(got, got[1:]))
+    tab.observe(0, 3e-3, 0.1)  # plain steps: 3 ms
+    tab.observe(0, 3e-3, 0.1)
+    got = tab.seconds()
+    assert got[0] < 0.5 * (1e-3 + err * 3 / 15)  # two plain steps move their count's price most of the way
+    slope = (got[12] - got[0]) / 12
+    assert got[6] == pytest.approx(got[0] + 6 * slope)  # between the two: on the line
+    # errors below the timed times shrink towards nothing with fewer rows as well
+    neg = BatchTable([10e-3] * 5, 4)
+    neg.observe(4, 2e-3, 1.0)
+    assert neg.seconds()[0] == pytest.approx(10e-3 - 8e-3 * 4 / 8)
 
 
 def test_batch_rows_opens_a_tile_only_when_its_drafts_pay():

@@ -108,29 +108,53 @@ class Costs:
 
 class BatchTable:
     """Seconds of a step that n sequences share at every total row count n, n + 1, ... (index
-    R - n): the timed estimate, corrected count by count by the steps that run. A count that no
-    step has run yet is priced at its timed time plus the mean error the steps showed so far (what
-    every step adds to its timed forward, its bookkeeping for one; a timing that was too cheap
-    everywhere): so the counts that run often cannot make the ones never run look cheap."""
+    R - n): the timed estimate, corrected by the steps that run. A count that steps have run is
+    priced at their running mean (the price it had before counts as one observation). A count no
+    step has run is priced at its timed time plus an error read off the counts that have run:
+    between two of them, on the line between their errors; above the highest, that count's error
+    (what every step adds to its timed forward, its bookkeeping for one: the counts that run often
+    cannot make the ones never run look cheap); below the lowest, that count's error scaled by the
+    rows (a step with fewer rows is not assumed to carry all the extra time of one with more: a
+    batch whose timed rows were too cheap and that only ever ran its highest count would otherwise
+    see every count as dear as that one, and never try fewer rows to learn that they cost less)."""
 
-    def __init__(self, timed: list[float]):
+    def __init__(self, timed: list[float], n: int = 1):
         self.timed = list(timed)
         self.now = list(timed)
-        self.seen: set[int] = set()
-        self.off = 0.0  # running mean of (observed - timed) over every observed step
+        self.n = max(1, int(n))  # rows at index 0 (one per sequence)
+        self.hits = [0] * len(self.timed)  # steps observed at each count
 
     def __len__(self) -> int:
         return len(self.now)
 
     def seconds(self) -> list[float]:
-        return [x if i in self.seen else x + self.off for i, x in enumerate(self.now)]
+        seen = [i for i, h in enumerate(self.hits) if h]
+        if not seen:
+            return list(self.timed)
+        err = {i: self.now[i] - self.timed[i] for i in seen}
+        lo, hi, out, j = seen[0], seen[-1], [], 0
+        for i, t in enumerate(self.timed):
+            if i in err:
+                out.append(self.now[i])
+                continue
+            if i < lo:
+                e = err[lo] * (self.n + i) / (self.n + lo)
+            elif i > hi:
+                e = err[hi]
+            else:
+                while seen[j + 1] < i:
+                    j += 1
+                a, b = seen[j], seen[j + 1]
+                e = err[a] + (err[b] - err[a]) * (i - a) / (b - a)
+            out.append(max(t + e, 1e-9))
+        return out
 
     def observe(self, i: int, seconds: float, weight: float) -> None:
-        if i not in self.seen:
-            self.now[i] += self.off
-            self.seen.add(i)
-        self.now[i] = max(self.now[i] + weight * (seconds - self.now[i]), 1e-9)
-        self.off += weight * (seconds - self.timed[i] - self.off)
+        if not self.hits[i]:
+            self.now[i] = self.seconds()[i]
+        self.hits[i] += 1
+        w = max(weight, 1.0 / (self.hits[i] + 1))
+        self.now[i] = max(self.now[i] + w * (seconds - self.now[i]), 1e-9)
 
 
 class StepCosts:
@@ -176,9 +200,9 @@ class StepCosts:
     def observe_step(self, depths: list[int], n_rows: int, seconds: float) -> None:
         """A step that `len(depths)` sequences shared (their cache depths), `n_rows` rows in all,
         took `seconds` (its forward, logits and bookkeeping; drafting not included): the batch
-        table of each of their depth bands moves its time at `n_rows` towards it (a running mean)
-        and learns from it what steps add to their timed forwards (`BatchTable`), so the table
-        follows what steps of this batch really cost on this machine now."""
+        table of each of their depth bands moves its time at `n_rows` towards it (a running mean),
+        and prices the counts no step has run from it (`BatchTable`), so the table follows what
+        steps of this batch really cost on this machine now."""
         n = len(depths)
         if self.fixed is not None or n <= 1 or not seconds > 0 or OBSERVE_WEIGHT <= 0:
             return
@@ -283,7 +307,7 @@ class StepCosts:
                 got.append(t2 + (r - 2 * n) * outer)
         self.timings += 1
         if all(math.isfinite(x) for x in got):  # a cache short of room says nothing of the rows it could not hold
-            self.batch[(depth_band(cache.length), n)] = BatchTable(got)
+            self.batch[(depth_band(cache.length), n)] = BatchTable(got, n)
         return got
 
     def batch_table(self, depth: int, n_seqs: int) -> list[float] | None:
