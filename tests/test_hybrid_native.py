@@ -394,3 +394,22 @@ def test_mtp_layer_drafts_for_several_sequences_at_once(files, kind):
     for a, b in zip(alone, together):
         n = a.cache.length
         assert b.cache.length == n and torch.equal(a.cache.k[:, :, :n], b.cache.k[:, :, :n])
+
+
+def test_prompt_chunk_convolution_is_the_decoding_rows_arithmetic():
+    """A prompt chunk's DeltaNet convolution + SiLU (`kernels.deltanet_conv_silu`, split between
+    threads by channel blocks) equals the fixed-order sum of the taps in PyTorch to float32
+    rounding, and each row's bits do not depend on the rows computed with it: a chunk of 300 rows
+    gives every row the bits it gets alone (channels 1,000: a partial block and a scalar tail)."""
+    g = torch.Generator().manual_seed(0)
+    K, C, T = 4, 1000, 300
+    hist, w = torch.randn(K - 1 + T, C, generator=g), torch.randn(C, K, generator=g)
+    got = kernels.deltanet_conv_silu(hist, w.t().contiguous())
+    ref = hist[0:T] * w[:, 0]
+    for j in range(1, K):
+        ref = ref + hist[j:j + T] * w[:, j]
+    torch.testing.assert_close(got, torch.nn.functional.silu(ref), rtol=1e-5, atol=1e-6)
+    alone = torch.cat([kernels.deltanet_conv_silu(hist[t:t + K], w.t().contiguous()) for t in range(T)])
+    assert torch.equal(got, alone)
+    with pytest.raises(RuntimeError, match="deltanet_conv_silu"):
+        kernels.deltanet_conv_silu(hist[:2], w.t().contiguous())  # fewer inputs than the kernel's taps

@@ -26,7 +26,8 @@ from ..errors import MtpllmError
 from ..runtime.cache import CacheGroup, RecurrentCache, delta_rule_update
 from ..runtime.kv_cache import KVCache
 from ..runtime.linear import GEMM_MIN_ROWS
-from .layers import Attention, MLP, RMSNorm
+from ..runtime import kernels
+from .layers import Attention, MLP, RMSNorm, _fused
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (transformers and the FLA kernels use 64)
 L2_EPS = 1e-6  # transformers' l2norm epsilon (FLA's)
@@ -127,6 +128,7 @@ class GatedDeltaNet(nn.Module):
         self.tiled, self.ba_grouped = tiled, ba_grouped
         self.proj, self.out, self.norm = proj, out, norm
         self.conv_w = nn.Parameter(conv_w.float().contiguous(), requires_grad=False)  # [C, K]
+        self.register_buffer("conv_t", self.conv_w.detach().t().contiguous(), persistent=False)  # [K, C]
         self.a = nn.Parameter(a.float().reshape(-1), requires_grad=False)  # [H]: -exp(A_log)
         self.dt_bias = nn.Parameter(dt_bias.float().reshape(-1), requires_grad=False)  # [H]
         self.n_k, self.n_v, self.dk, self.dv = n_k, n_v, dk, dv
@@ -143,11 +145,14 @@ class GatedDeltaNet(nn.Module):
             ba = p[:, C + nv * dv:].reshape(T, nk, 2 * r)
             b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
         # causal depthwise convolution: a fixed-order sum over the kernel taps
-        K = self.conv_w.shape[1]
-        c = hist[0:T] * self.conv_w[:, 0]
-        for j in range(1, K):
-            c = c + hist[j:j + T] * self.conv_w[:, j]
-        c = F.silu(c)
+        if _fused(hist):  # the C++ forward's arithmetic, on all threads
+            c = kernels.deltanet_conv_silu(hist, self.conv_t)
+        else:
+            K = self.conv_w.shape[1]
+            c = hist[0:T] * self.conv_w[:, 0]
+            for j in range(1, K):
+                c = c + hist[j:j + T] * self.conv_w[:, j]
+            c = F.silu(c)
         q = l2norm(c[:, :nk * dk].reshape(T, nk, dk))
         k = l2norm(c[:, nk * dk:2 * nk * dk].reshape(T, nk, dk))
         v = c[:, 2 * nk * dk:].reshape(T, nv, dv)

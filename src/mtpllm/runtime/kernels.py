@@ -369,6 +369,14 @@ def hybrid_stack(n_heads: int, n_kv: int, head_dim: int, rot_dim: int, neox: boo
     return torch.classes.mtpllm.HybridStack(n_heads, n_kv, head_dim, rot_dim, neox, scale, eps, qk_eps)
 
 
+def deltanet_conv_silu(hist: torch.Tensor, conv_t: torch.Tensor) -> torch.Tensor:
+    """A DeltaNet prompt chunk's causal depthwise convolution + SiLU with the C++ forward's
+    arithmetic (csrc/hybrid.cpp): hist [K - 1 + T, C] (the committed inputs, then the chunk's),
+    conv_t [K, C] (the kernel transposed) -> [T, C]."""
+    _op("silu_mul")  # builds the extension (and fails with its reason) first
+    return torch.ops.mtpllm.deltanet_conv_silu(hist, conv_t)
+
+
 def replay_delta_rule(states: torch.Tensor, records: torch.Tensor, base: int, n: int) -> None:
     """A recurrent cache's pending replay with the C++ forward's arithmetic (csrc/hybrid.cpp):
     states [L, 2, H, dk, dv], records [L, max_rows, H, dk + dv + 2]; slot 1 - base of every layer

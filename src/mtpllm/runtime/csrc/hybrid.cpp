@@ -191,6 +191,28 @@ constexpr int64_t kConvBlock = 256;  // channels per task of the DeltaNet convol
 static_assert(kConvBlock % 8 == 0, "a block boundary must not move an element between vector and scalar code");
 constexpr int64_t kCols = 32;  // state columns per block in delta_rule_head: 4 registers of 8
 
+// The causal depthwise convolution + SiLU of T rows: c[t] = silu(sum_j hist[t + j] * wt[j]) over C
+// channels, hist [K - 1 + T, C], wt [K, C] (the kernel transposed), a fixed order of the taps, on all
+// threads by blocks of channels (a multiple of 8: each element takes the vector or the scalar path as
+// it would in one sweep, so the bits do not depend on the split or on T).
+inline void conv_silu_rows(const float* hist, const float* wt, int64_t T, int64_t C, int64_t K, float* c) {
+  const int64_t cblocks = (C + kConvBlock - 1) / kConvBlock;
+  at::parallel_for(0, cblocks, std::max<int64_t>(1, 64 / std::max<int64_t>(1, T)), [&](int64_t b0, int64_t b1) {
+    const int64_t i0 = b0 * kConvBlock, i1 = std::min(C, b1 * kConvBlock);
+    for (int64_t t = 0; t < T; ++t) {
+      float* ct = c + t * C;
+      const float* h0 = hist + t * C;
+      for (int64_t i = i0; i < i1; ++i) ct[i] = h0[i] * wt[i];
+      for (int64_t j = 1; j < K; ++j) {
+        const float* hj = hist + (t + j) * C;
+        const float* wj = wt + j * C;
+        for (int64_t i = i0; i < i1; ++i) ct[i] = ct[i] + hj[i] * wj[i];
+      }
+      silu_inplace(ct + i0, i1 - i0);
+    }
+  });
+}
+
 // rows [0, n) of the delta rule over one head's state, read from `from` [dk, dv]; the state after row
 // keep - 1 is written back to `from` (keep > 0), the final one to dst. The columns of the state are
 // independent (column j needs only mem[j], delta[j], o[j]), so several rows run column block by
@@ -274,6 +296,21 @@ inline void recorded_rows(const float* rec, int64_t n, int64_t h, int64_t H, int
 
 // A cache's pending replay (RecurrentCache.materialize): states [L, 2, H, dk, dv], records [L, max_rows,
 // H, dk + dv + 2]; slot 1 - base of every layer gets slot base with the first n recorded rows applied.
+// A prompt chunk's convolution + SiLU (models/deltanet.py): hist [K - 1 + T, C], conv_t [K, C] -> [T, C],
+// the arithmetic of the decoding rows above.
+at::Tensor deltanet_conv_silu(at::Tensor hist, at::Tensor conv_t) {
+  TORCH_CHECK(hist.dim() == 2 && conv_t.dim() == 2 && hist.scalar_type() == at::kFloat &&
+                  conv_t.scalar_type() == at::kFloat && hist.size(1) == conv_t.size(1) && conv_t.size(0) >= 1 &&
+                  hist.size(0) >= conv_t.size(0),
+              "deltanet_conv_silu: float32 hist [K - 1 + T, C] and kernel [K, C]");
+  hist = hist.contiguous();
+  conv_t = conv_t.contiguous();
+  const int64_t K = conv_t.size(0), C = conv_t.size(1), T = hist.size(0) - K + 1;
+  at::Tensor c = at::empty({T, C}, hist.options());
+  conv_silu_rows(hist.data_ptr<float>(), conv_t.data_ptr<float>(), T, C, K, c.data_ptr<float>());
+  return c;
+}
+
 void replay_delta_rule(at::Tensor states, at::Tensor records, int64_t base, int64_t n) {
   TORCH_CHECK(states.dim() == 5 && states.size(1) == 2 && records.dim() == 4 && states.scalar_type() == at::kFloat &&
                   records.scalar_type() == at::kFloat && states.is_contiguous() && records.is_contiguous(),
@@ -507,23 +544,7 @@ struct HybridStack : torch::CustomClassHolder {
     const float* dtb = L.dt_bias.data_ptr<float>();
     const float qs = 1.0f / std::sqrt(static_cast<float>(dk));
     const int64_t r = nv / nk;
-    // the convolution + SiLU of every row, by blocks of channels (a multiple of 8: each element takes
-    // the vector or the scalar path as it would in one sweep, so the bits do not depend on the split)
-    const int64_t cblocks = (C + kConvBlock - 1) / kConvBlock;
-    at::parallel_for(0, cblocks, std::max<int64_t>(1, 64 / T), [&](int64_t b0, int64_t b1) {
-      const int64_t i0 = b0 * kConvBlock, i1 = std::min(C, b1 * kConvBlock);
-      for (int64_t t = 0; t < T; ++t) {
-        float* ct = c.data() + t * C;
-        const float* h0 = hist.data() + t * C;
-        for (int64_t i = i0; i < i1; ++i) ct[i] = h0[i] * wt[i];
-        for (int64_t j = 1; j < K; ++j) {
-          const float* hj = hist.data() + (t + j) * C;
-          const float* wj = wt + j * C;
-          for (int64_t i = i0; i < i1; ++i) ct[i] = ct[i] + hj[i] * wj[i];
-        }
-        silu_inplace(ct + i0, i1 - i0);
-      }
-    });
+    conv_silu_rows(hist.data(), wt, T, C, K, c.data());
     for (int64_t t = 0; t < T; ++t) {
       float* ct = c.data() + t * C;
       for (int64_t g = 0; g < 2 * nk; ++g) {  // q heads, then k heads
@@ -749,4 +770,5 @@ TORCH_LIBRARY_FRAGMENT(mtpllm, m) {
       .def("set_mlp", &HybridStack::set_mlp)
       .def("set_moe", &HybridStack::set_moe);
   m.def("replay_delta_rule", &replay_delta_rule);
+  m.def("deltanet_conv_silu", &deltanet_conv_silu);
 }
