@@ -749,20 +749,22 @@ def test_default_speculation_needs_a_head(target, tiny_models):
     assert SpecConfig("mtp").usable(plain)  # asked for by name: tried (and fails with its message)
 
 
-def test_chat_speculates_by_default_where_the_model_has_a_head(target, tiny_models):
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_chat_and_run_speculate_by_default_where_the_model_has_a_head(target, tiny_models, command):
     import subprocess
     import sys
 
-    def chat(model, *extra):
-        r = subprocess.run([sys.executable, "-m", "mtpllm", "chat", "-m", str(model), "-n", "12", "--temp", "0",
-                            "--timings", *extra], input="hello\n/exit\n", capture_output=True, text=True, timeout=300)
+    def cli(model, *extra):
+        args = ["--timings"] if command == "chat" else ["-p", "hello", "--no-chat"]
+        r = subprocess.run([sys.executable, "-m", "mtpllm", command, "-m", str(model), "-n", "12", "--temp", "0",
+                            *args, *extra], input="hello\n/exit\n", capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         return r
-    with_head, off = chat(target.model.source), chat(target.model.source, "--spec-type", "none")
+    with_head, off = cli(target.model.source), cli(target.model.source, "--spec-type", "none")
     assert "steps by drafts verified" in with_head.stderr
     assert "steps by drafts verified" not in off.stderr
     assert with_head.stdout == off.stdout  # lossless
-    assert "steps by drafts verified" not in chat(tiny_models["qwen2"]).stderr  # no head: plain
+    assert "steps by drafts verified" not in cli(tiny_models["qwen2"]).stderr  # no head: plain
 
 
 def test_bench_spec_names_a_policy():

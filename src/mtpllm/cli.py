@@ -128,7 +128,7 @@ def cmd_run(argv: list[str]) -> int:
                       help="wrap the prompt in the model's chat template (default when the model has one)")
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="raw text completion")
     from .speculative.config import add_spec_args, spec_from_args
-    add_spec_args(ap)
+    add_spec_args(ap, default_mtp=True)
     a = ap.parse_args(argv)
     if a.file is not None:
         try:
@@ -141,10 +141,10 @@ def cmd_run(argv: list[str]) -> int:
     if not prompt:
         raise MtpllmError("empty prompt: give some text with -p or -f")
     params = sampling_from_args(a)
-    spec_cfg = spec_from_args(a)  # validate before the (slow) model load
+    spec_cfg = spec_from_args(a, default_mtp=True)  # validate before the (slow) model load
     eng = load_engine(a)
     ids = eng.encode_prompt(prompt, chat=a.chat)
-    spec = spec_cfg.build(eng) if spec_cfg else None
+    spec = spec_cfg.build(eng) if spec_cfg and spec_cfg.usable(eng) else None  # by default: where there is a head
     out = sys.stdout
     last = None
     for r in eng.stream(ids, params, spec):

@@ -207,7 +207,7 @@ DEFAULT_LOOKUP = 8  # drafts of n-gram lookup in the default chain
 
 
 def default_config() -> SpecConfig:
-    """What `chat` and `serve` speculate with unless told: n-gram lookup first, the MTP head
+    """What `run`, `chat` and `serve` speculate with unless told: n-gram lookup first, the MTP head
     otherwise, under the cost policy (`auto`: only where the model has a head). Lookup is free to
     propose and drafts long runs where the answer copies the context (a long file edited: 1.84x
     plain at 8K tokens, against 0.97x for the head alone), and where it has no match the head
@@ -243,8 +243,6 @@ def spec_from_args(a, default_mtp: bool = False) -> SpecConfig | None:
             cfg = cfg or one(types[0])
             if len(types) == 2:
                 cfg.fallback = one(types[1])
-        elif cfg is None:
-            return None
     elif cfg is None and a.spec_draft_model:
         cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
     if cfg is None:
