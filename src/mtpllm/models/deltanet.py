@@ -193,7 +193,10 @@ class GatedDeltaNet(nn.Module):
             rec.final_state(layer).copy_(S)
             return self.out(torch.cat(outs))
         q, k, v, g, beta, z = self._inputs(p, hist)
-        o, final = delta_rule_chunked(q, k, v, g, beta, rec.state_of(layer))
+        if _fused(p):  # the same chunked form in C++, per head on all threads
+            o, final = kernels.deltanet_chunked(q, k, v, g, beta, rec.state_of(layer))
+        else:
+            o, final = delta_rule_chunked(q, k, v, g, beta, rec.state_of(layer))
         rec.final_state(layer).copy_(final)
         return self.out(self._output(o, z))
 

@@ -45,7 +45,8 @@ import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "qgemv.cpp", _CSRC / "gguf_blocks.cpp", _CSRC / "gguf_rows.cpp", _CSRC / "gguf_x8.cpp",
-            _CSRC / "gguf_c32.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp", _CSRC / "hybrid.cpp"]
+            _CSRC / "gguf_c32.cpp", _CSRC / "attention.cpp", _CSRC / "decode.cpp", _CSRC / "hybrid.cpp",
+            _CSRC / "deltanet_chunk.cpp"]
 # -fopenmp: at::parallel_for is an inline OpenMP loop, compiled into the extension itself; without
 # the flag it silently runs on one thread. The extension then shares PyTorch's own libgomp.so.1.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
@@ -375,6 +376,15 @@ def deltanet_conv_silu(hist: torch.Tensor, conv_t: torch.Tensor) -> torch.Tensor
     conv_t [K, C] (the kernel transposed) -> [T, C]."""
     _op("silu_mul")  # builds the extension (and fails with its reason) first
     return torch.ops.mtpllm.deltanet_conv_silu(hist, conv_t)
+
+
+def deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt chunk's delta rule in chunked form, per value head on all threads
+    (csrc/deltanet_chunk.cpp; models/deltanet.py `delta_rule_chunked` is the same in PyTorch): q, k
+    [T, H, dk], v [T, H, dv], g, beta [T, H], state [H, dk, dv] -> (o [T, H, dv], final state)."""
+    _op("silu_mul")  # builds the extension (and fails with its reason) first
+    return torch.ops.mtpllm.deltanet_chunked(q, k, v, g, beta, state)
 
 
 def replay_delta_rule(states: torch.Tensor, records: torch.Tensor, base: int, n: int) -> None:
