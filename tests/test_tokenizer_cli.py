@@ -118,6 +118,9 @@ def test_cli_run_prints_the_engines_greedy_text(tiny_models):
     (["run", "-p", "x", "-f", "/nonexistent.txt"], "not allowed with"),
     (["run", "-f", "/nonexistent.txt"], "cannot read prompt file"),
     (["run", "-p", "x", "--spec-type", "none", "--spec-draft-n-max", "3"], "without a method"),
+    (["run", "-p", "x", "--spec-type", "none", "-md", "m.gguf"], "without a method"),
+    (["run", "-p", "x", "--spec-type", "none", "--spec-ngram-max", "3"], "without a method"),
+    (["run", "-p", "x", "--spec-type", "none", "--speculative", '{"method":"mtp"}'], "contradict"),
     (["run", "-p", "x", "-n", "-5"], "expected an integer >= 0"),
     (["frobnicate"], "unknown command"),
 ])

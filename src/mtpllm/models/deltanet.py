@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import MtpllmError
+from ..runtime import kernels
 from ..runtime.cache import CacheGroup, RecurrentCache, delta_rule_update
 from ..runtime.kv_cache import KVCache
 from ..runtime.linear import GEMM_MIN_ROWS
-from ..runtime import kernels
 from .layers import Attention, MLP, RMSNorm, _fused
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (transformers and the FLA kernels use 64)
@@ -193,10 +193,11 @@ class GatedDeltaNet(nn.Module):
             rec.final_state(layer).copy_(S)
             return self.out(torch.cat(outs))
         q, k, v, g, beta, z = self._inputs(p, hist)
-        if _fused(p):  # the same chunked form in C++, per head on all threads
-            o, final = kernels.deltanet_chunked(q, k, v, g, beta, rec.state_of(layer))
+        state = rec.state_of(layer)
+        if _fused(p) and state.dtype == torch.float32:  # the same chunked form in C++, per head on all threads
+            o, final = kernels.deltanet_chunked(q, k, v, g, beta, state)
         else:
-            o, final = delta_rule_chunked(q, k, v, g, beta, rec.state_of(layer))
+            o, final = delta_rule_chunked(q, k, v, g, beta, state)
         rec.final_state(layer).copy_(final)
         return self.out(self._output(o, z))
 

@@ -234,6 +234,8 @@ def spec_from_args(a, default_mtp: bool = False) -> SpecConfig | None:
         types = [t for t in types if LLAMA_SPEC_TYPES[t]]
         if len(types) > 2:
             raise MtpllmError("--spec-type: a chain has two types at most (e.g. ngram-simple,draft-mtp)")
+        if not types and a.speculative:
+            raise MtpllmError("--spec-type none and --speculative contradict each other: give one")
         if types:
             if cfg is not None and cfg.method != LLAMA_SPEC_TYPES[types[0]]:
                 raise MtpllmError("--spec-type and --speculative name different methods")
@@ -247,7 +249,7 @@ def spec_from_args(a, default_mtp: bool = False) -> SpecConfig | None:
         cfg = SpecConfig(method="draft_model", draft_model=a.spec_draft_model)
     if cfg is None:
         flags = [a.spec_draft_n_max, a.spec_draft_n_min, a.spec_draft_p_min, a.spec_draft_p_cum, a.spec_mtp_head,
-                 a.spec_fallback_n_max, a.spec_policy]
+                 a.spec_fallback_n_max, a.spec_policy, a.spec_draft_model, a.spec_ngram_min, a.spec_ngram_max]
         if any(f is not None for f in flags) or a.spec_adaptive:
             raise MtpllmError("speculative options given without a method: add --spec-type or --speculative")
         return None

@@ -294,15 +294,13 @@ inline void recorded_rows(const float* rec, int64_t n, int64_t h, int64_t H, int
   }
 }
 
-// A cache's pending replay (RecurrentCache.materialize): states [L, 2, H, dk, dv], records [L, max_rows,
-// H, dk + dv + 2]; slot 1 - base of every layer gets slot base with the first n recorded rows applied.
 // A prompt chunk's convolution + SiLU (models/deltanet.py): hist [K - 1 + T, C], conv_t [K, C] -> [T, C],
 // the arithmetic of the decoding rows above.
 at::Tensor deltanet_conv_silu(at::Tensor hist, at::Tensor conv_t) {
   TORCH_CHECK(hist.dim() == 2 && conv_t.dim() == 2 && hist.scalar_type() == at::kFloat &&
-                  conv_t.scalar_type() == at::kFloat && hist.size(1) == conv_t.size(1) && conv_t.size(0) >= 1 &&
-                  hist.size(0) >= conv_t.size(0),
-              "deltanet_conv_silu: float32 hist [K - 1 + T, C] and kernel [K, C]");
+                  conv_t.scalar_type() == at::kFloat && hist.device().is_cpu() && conv_t.device().is_cpu() &&
+                  hist.size(1) == conv_t.size(1) && conv_t.size(0) >= 1 && hist.size(0) >= conv_t.size(0),
+              "deltanet_conv_silu: float32 CPU hist [K - 1 + T, C] and kernel [K, C]");
   hist = hist.contiguous();
   conv_t = conv_t.contiguous();
   const int64_t K = conv_t.size(0), C = conv_t.size(1), T = hist.size(0) - K + 1;
@@ -311,6 +309,8 @@ at::Tensor deltanet_conv_silu(at::Tensor hist, at::Tensor conv_t) {
   return c;
 }
 
+// A cache's pending replay (RecurrentCache.materialize): states [L, 2, H, dk, dv], records [L, max_rows,
+// H, dk + dv + 2]; slot 1 - base of every layer gets slot base with the first n recorded rows applied.
 void replay_delta_rule(at::Tensor states, at::Tensor records, int64_t base, int64_t n) {
   TORCH_CHECK(states.dim() == 5 && states.size(1) == 2 && records.dim() == 4 && states.scalar_type() == at::kFloat &&
                   records.scalar_type() == at::kFloat && states.is_contiguous() && records.is_contiguous(),
