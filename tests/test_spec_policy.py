@@ -267,6 +267,8 @@ def test_chain_drafts_lookup_matches_under_the_cost_policy(tiny_dir):
 def test_chain_members_are_priced_on_their_own_records(confident):
     """`ChainProposer.propose_priced`: a member whose record says plain does not stop the other from
     drafting. Lookup (ngram) and a draft model (itself, a member with drafting costs) as a chain."""
+    import torch
+
     from mtpllm.runtime.sampling import Sampler
     from mtpllm.speculative.policy import ChainPolicyState
     engine, dcfg = confident
@@ -300,6 +302,8 @@ def test_a_chain_drafts_a_batch_as_each_sequence_alone_and_fails_only_the_faulty
     that `propose_priced` gives it alone; a sequence whose drafting raises gets its exception back
     while the others draft, and no record counts the step twice."""
     import copy
+
+    import torch
 
     from mtpllm.runtime.sampling import Sampler
     from mtpllm.speculative.policy import ChainPolicyState
@@ -630,7 +634,7 @@ def test_observed_drafting_is_what_drafts_cost():
 
 def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatch):
     """A proposer whose one timed token is cheap but whose drafting, as requests run it, costs
-    several steps (here: a sleep in each `propose`, as a slow head's catch-up would): the policy
+    several steps (here: a sleep in each `propose`, as a slow draft model's would): the policy
     learns it from the steps and stops drafting. Priced on the timed token alone, the same good
     drafts are verified four at a time (test_good_drafts_keep_k_high_on_a_model)."""
     import time
@@ -654,6 +658,42 @@ def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatc
     assert out.tokens == ref.tokens
     h = out.stats.k_hist
     assert h[0] >= 0.6 * sum(h), h
+
+
+def test_a_heads_catch_up_is_not_priced_as_drafting(target):
+    """The head's catch-up (cache entries of the positions accepted or decoded plainly since it
+    last drafted, `MTPHead.fill`) grows with the plain steps before a draft. Priced per drafted
+    token it made drafting look dearer the longer a request had waited, until it stopped drafting
+    for good. The proposer times it apart (`take_catchup_ms`) and the decoder prices only the rest."""
+    import torch
+
+    from mtpllm.runtime.sampling import Sampler
+    from mtpllm.runtime.sequence import Slot
+    set_step_costs(target, None)
+    spec = SpecConfig("mtp", 3, policy="cost").build(target)
+    prop, m = spec.proposer, target.model
+    ids = target.tokenizer.encode(PROMPT)
+    cache = m.make_cache(256)
+    h = m(torch.tensor(ids), cache)
+    st = prop.new_state()
+    prop.begin(st, ids, h, 0)
+    # three plain steps: tokens a, b, c decoded, their trunk states pending for the head
+    hist = list(ids)
+    for tok in (5, 6, 7):
+        hist.append(tok)
+        prop.accept(st, hist, 0, m(torch.tensor([tok]), cache))
+    assert st.catchup_ms == 0.0
+    drafts, _ = prop.propose(st, hist + [8], 2, Sampler(SamplingParams(**GREEDY)))
+    caught = prop.take_catchup_ms(st)
+    assert len(drafts) == 2 and caught > 0 and st.catchup_ms == 0.0  # timed, then reset
+    # the decoder prices a step's drafting without it
+    seq = target.new_sequence(ids, SamplingParams(**GREEDY), spec, Slot(m.make_cache(256)))
+    seq.pending = (drafts, [None, None])
+    seq.draft.catchup_ms = 40.0
+    spec._observe_draft(target, seq, 41.0, 1)
+    assert list(step_costs(target).draft_seen.values()) == [pytest.approx(0.5)]  # (41 - 40) ms for 2 drafts
+    assert seq.draft.catchup_ms == 0.0
+    set_step_costs(target, None)
 
 
 def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypatch):

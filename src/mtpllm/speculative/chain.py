@@ -151,6 +151,10 @@ class ChainProposer:
             sts[j].last = None
         return out
 
+    def take_catchup_ms(self, st: ChainState) -> float:
+        """The members' catch-up time since the last call (MTPProposer.take_catchup_ms), reset."""
+        return sum(p.take_catchup_ms(s) for p, s in zip(self.proposers, st.states) if hasattr(p, "take_catchup_ms"))
+
     def probe_ms(self, st: ChainState, hidden, token: int) -> float | None:
         """The slowest member's drafting of one token (n-gram lookup is not timed: it is free)."""
         ms = [p.probe_ms(s, hidden, token) for p, s in zip(self.proposers, st.states) if hasattr(p, "probe_ms")]

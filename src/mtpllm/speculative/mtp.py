@@ -7,6 +7,7 @@ MTP blocks; block L = block_count - n + j holds ordinary `blk.L.attn_*`/`ffn_*` 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -195,6 +196,7 @@ class MTPState:
         self.tokens: list[int] = []  # tokens t_1.. whose (t_{i+1}, h_i) entries are in the cache
         self._pending: list[torch.Tensor] = []  # trunk hidden states not yet fed to the head, by step
         self.pending_start = 0  # position of pending_h[0]
+        self.catchup_ms = 0.0  # time spent writing the head's entries of earlier positions, not yet read
         self.clear_context(None)
 
     def clear_context(self, vocab) -> None:
@@ -430,8 +432,10 @@ class MTPProposer:
         while todo:
             results = {}
             for i in [i for i, r in todo.items() if r[0] == self.FILL]:
+                t0 = time.perf_counter()
                 self.head.fill(self.embed(torch.tensor(todo[i][1], dtype=torch.long, device=self.device)),
                                todo[i][2], sts[i].cache)
+                sts[i].catchup_ms += (time.perf_counter() - t0) * 1e3
                 results[i] = None
             heads = [i for i, r in todo.items() if r[0] == self.HEAD]
             if heads:
@@ -450,6 +454,13 @@ class MTPProposer:
                     del todo[i]
         return out
 
+    @staticmethod
+    def take_catchup_ms(st: MTPState) -> float:
+        """Milliseconds the head spent since the last call writing cache entries of positions it
+        did not draft from (the tokens accepted or decoded plainly since it last drafted), reset."""
+        ms, st.catchup_ms = st.catchup_ms, 0.0
+        return ms
+
     @torch.inference_mode()
     def probe_ms(self, st: MTPState, hidden: torch.Tensor, token: int) -> float | None:
         """Milliseconds of drafting one token (the head's block and its logits) at the state's depth;
@@ -457,7 +468,6 @@ class MTPProposer:
         cache = st.cache
         if hidden is None or cache.length + 1 > cache.max_len:
             return None
-        import time
         t0 = time.perf_counter()
         g = self.head(self.embed(torch.tensor([token], device=self.device)), hidden[-1:], cache)
         self.lm_head(g)

@@ -440,8 +440,15 @@ class SpeculativeDecoder:
 
     def _observe_draft(self, engine, seq, ms: float, batch: int) -> None:
         """This step's drafting time into the cost table, when a timed proposer drafted (n-gram
-        lookup is free and priced so). Time it spent without keeping a draft (its catch-up was done
-        all the same) is carried to its next draft."""
+        lookup is free and priced so). Time it spent without keeping a draft is carried to its next
+        draft. A head's catch-up (the cache entries of the tokens accepted or decoded plainly since
+        it last drafted) is not a cost of this step's drafts: it grows with the plain steps before
+        them, so priced per drafted token it made a request that had decoded plainly for a while
+        see drafting as dearer the longer it had waited, and its probes could not bring the price
+        back down."""
+        take = getattr(self.proposer, "take_catchup_ms", None)
+        if take is not None:
+            ms = max(0.0, ms - take(seq.draft))
         n = len(seq.pending[0])
         prop = self.proposer
         if isinstance(seq.policy, ChainPolicyState):
