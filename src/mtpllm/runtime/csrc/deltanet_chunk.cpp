@@ -84,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> deltanet_chunked(at::Tensor q, at::Tensor k, 
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     FlushSubnormals ftz;
     const int64_t C = kChunk;
-    std::vector<float> S(dk * dv), Q(C * dk), K(C * dk), KD(C * dk), X(C * W), L(C * C), P(C * C), O(C * dv), cum(C);
+    std::vector<float> S(dk * dv), Q(C * dk), K(C * dk), KD(C * dk), X(C * W), L(C * C), P(C * C), G(C * C),
+        O(C * dv), cum(C);
     for (int64_t h = h0; h < h1; ++h) {
       std::copy(sp + h * dk * dv, sp + (h + 1) * dk * dv, S.begin());
       for (int64_t c0 = 0; c0 < T; c0 += C) {
@@ -102,8 +103,10 @@ std::tuple<at::Tensor, at::Tensor> deltanet_chunked(at::Tensor q, at::Tensor k, 
           for (int64_t j = 0; j < dv; ++j) x[j] = b * vr[j];
           for (int64_t j = 0; j < dk; ++j) x[dv + j] = b * e * kr[j];
           std::copy(kr, kr + dk, K.data() + i * dk);
-          for (int64_t j = 0; j < dk; ++j) Q[i * dk + j] = qr[j];
+          std::copy(qr, qr + dk, Q.data() + i * dk);
         }
+        for (int64_t i = 0; i < n; ++i)  // gamma(i, j), j <= i: read by the substitution and by P
+          for (int64_t j = 0; j <= i; ++j) G[i * C + j] = decay(cum[i] - cum[j]);
         // Gram matrices: L = K K^T, P = Q K^T (n x n)
         gemm_rm(false, true, n, n, dk, 1.0f, K.data(), dk, K.data(), dk, 0.0f, L.data(), C);
         gemm_rm(false, true, n, n, dk, 1.0f, Q.data(), dk, K.data(), dk, 0.0f, P.data(), C);
@@ -112,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> deltanet_chunked(at::Tensor q, at::Tensor k, 
           const float b = bp[(c0 + i) * H + h];
           float* xi = X.data() + i * W;
           for (int64_t j = 0; j < i; ++j) {
-            const float l = b * L[i * C + j] * decay(cum[i] - cum[j]);
+            const float l = b * L[i * C + j] * G[i * C + j];
             if (l == 0.0f) continue;
             const float* xj = X.data() + j * W;
             for (int64_t m = 0; m < W; ++m) xi[m] -= l * xj[m];
@@ -129,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> deltanet_chunked(at::Tensor q, at::Tensor k, 
         for (int64_t i = 0; i < n; ++i) {
           const float e = decay(cum[i]);
           for (int64_t j = 0; j < dk; ++j) Q[i * dk + j] *= e;
-          for (int64_t j = 0; j < n; ++j) P[i * C + j] = j <= i ? P[i * C + j] * decay(cum[i] - cum[j]) : 0.0f;
+          for (int64_t j = 0; j < n; ++j) P[i * C + j] = j <= i ? P[i * C + j] * G[i * C + j] : 0.0f;
         }
         gemm_rm(false, false, n, dv, dk, 1.0f, Q.data(), dk, S.data(), dv, 0.0f, O.data(), dv);
         gemm_rm(false, false, n, dv, n, 1.0f, P.data(), C, X.data(), W, 1.0f, O.data(), dv);
