@@ -632,6 +632,35 @@ def test_observed_drafting_is_what_drafts_cost():
     assert t.get(100, 3, "k").draft == pytest.approx(1.0) and t.get(100, 3, "other").draft == policy.DEFAULT_DRAFT  # untimed
 
 
+def test_observed_drafting_is_priced_against_observed_steps():
+    """Load that slows drafting and steps alike (another process on the cores) leaves drafting's
+    price, relative to a step, where it was: the rows were timed once, on a quiet machine, and
+    priced against those, drafting would look dearer the busier the machine. The timed token
+    (measured with the rows, at the same pace) is not rescaled."""
+    t = StepCosts()
+    t.rows[0] = ([1.0, 1.2, 1.4], 10.0)
+    t.draft_ms[("k", 0)] = 0.5
+    t.observe_pace(100, 2, 0.024)  # before any drafting is observed: the timed price holds
+    assert t.get(100, 3, "k").draft == pytest.approx(0.05)
+    for _ in range(300):  # twice as slow: a 2-row step 24 ms instead of 12, drafting 1 ms a token
+        t.observe_draft("k", 100, 2.0, 2)
+        t.observe_pace(100, 2, 0.024)
+    got = t.get(100, 3, "k")
+    assert t.pace[0] == pytest.approx(2.0) and got.draft == pytest.approx(0.05) and got.step_ms == pytest.approx(20.0)
+    # a batch recovers the drafting's milliseconds whatever the pace (its own table prices its steps)
+    assert got.draft * got.step_ms == pytest.approx(1.0)
+    for _ in range(300):  # the load gone: steps as timed, drafting as timed
+        t.observe_draft("k", 100, 1.0, 2)
+        t.observe_pace(100, 3, 0.014)
+    assert t.pace[0] == pytest.approx(1.0) and t.get(100, 3, "k").draft == pytest.approx(0.05)
+    # a step of more rows than measured, or at a depth below every measured band, moves nothing
+    t.observe_pace(100, 4, 1.0)
+    u = StepCosts()
+    u.rows[2] = ([1.0, 1.2], 10.0)
+    u.observe_pace(100, 1, 1.0)
+    assert t.pace[0] == pytest.approx(1.0) and u.pace == {}
+
+
 def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatch):
     """A proposer whose one timed token is cheap but whose drafting, as requests run it, costs
     several steps (here: a sleep in each `propose`, as a slow draft model's would): the policy
@@ -653,11 +682,13 @@ def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatc
     monkeypatch.setattr(type(prop), "propose", slow)
     try:
         out = engine.generate(PROMPT, SamplingParams(**params), chat=False, speculative=spec)
+        pace = dict(step_costs(engine).pace)
     finally:
         set_step_costs(engine, None)
     assert out.tokens == ref.tokens
     h = out.stats.k_hist
     assert h[0] >= 0.6 * sum(h), h
+    assert list(pace) == [0] and pace[0] > 0  # the steps' own pace was observed (the sleep is not in them)
 
 
 def test_a_heads_catch_up_is_not_priced_as_drafting(target):

@@ -320,7 +320,11 @@ class Scheduler:
             self._emit(idx, a, block)
         if ok and table.timings == timings:  # a step without a cost measurement in it: what it cost
             drafting = sum(a.seq.step_draft_ms for _, a, _ in plans) / 1e3
-            table.observe_step(depths, sum(len(r) for _, _, r in plans), time.perf_counter() - t_plan - drafting)
+            n_rows = sum(len(r) for _, _, r in plans)
+            if len(plans) == 1:  # one sequence: its forward and logits against their timed cost
+                table.observe_pace(depths[0] - n_rows, n_rows, ms / 1e3)
+            else:
+                table.observe_step(depths, n_rows, time.perf_counter() - t_plan - drafting)
 
     def _admit(self, req: Request, slot) -> None:
         """A request takes its slot: its sequence, and its prefill ready to run chunk by chunk."""

@@ -167,6 +167,7 @@ class StepCosts:
         self.draft_ms: dict[tuple, float | None] = {}  # (proposer key, band) -> ms per drafted token
         self.draft_seen: dict[tuple, float] = {}  # the same, as decoding observes it (running mean)
         self.batch: dict[tuple, BatchTable] = {}  # (band, sequences n) -> seconds at n, n + 1, ... rows
+        self.pace: dict[int, float] = {}  # band -> one sequence's steps as they run / as timed (running mean)
         self.timings = 0  # measurements run (observability, tests)
         self.observed = 0  # steps observed into the batch tables (observability, tests)
 
@@ -175,14 +176,39 @@ class StepCosts:
         `batch` sequences observed it, else as timed."""
         if self.fixed is not None:
             return self.fixed
+        b = self._band(depth, n_rows)
+        if b is None:
+            return None
+        rows, ms = self.rows[b]
+        seen = self.draft_seen.get((key, b, batch))
+        if seen is not None:  # drafting as steps ran it, against the steps as they ran
+            now = ms * self.pace.get(b, 1.0)
+            return Costs(rows[:n_rows], seen / now, now)
+        d_ms = self.draft_ms.get((key, b))
+        return Costs(rows[:n_rows], DEFAULT_DRAFT if d_ms is None else d_ms / ms, ms)
+
+    def _band(self, depth: int, n_rows: int) -> int | None:
+        """The deepest band measured at or below this depth with at least n_rows row costs."""
         band = depth_band(depth)
         measured = [b for b in self.rows if b <= band and len(self.rows[b][0]) >= n_rows]
-        if not measured:
-            return None
-        b = max(measured)
+        return max(measured) if measured else None
+
+    def observe_pace(self, depth: int, n_rows: int, seconds: float) -> None:
+        """A step of one sequence (`n_rows` rows at this depth) took `seconds`, forward and logits:
+        its ratio to the timed cost of those rows moves the band's pace (a running mean, 1 until
+        observed). Observed drafting is priced against the steps as observed (`get`): drafting
+        and steps slow down together when another process takes the cores, while the rows were
+        timed once, maybe on a quiet machine; priced against those, drafting would look dearer
+        the busier the machine, and the policy would stop drafting for as long as the load lasts."""
+        if self.fixed is not None or not seconds > 0 or n_rows < 1:
+            return
+        b = self._band(depth, n_rows)
+        if b is None:
+            return
         rows, ms = self.rows[b]
-        d_ms = self.draft_seen.get((key, b, batch), self.draft_ms.get((key, b)))
-        return Costs(rows[:n_rows], DEFAULT_DRAFT if d_ms is None else d_ms / ms, ms)
+        ratio = seconds * 1e3 / (rows[n_rows - 1] * ms)
+        old = self.pace.get(b, 1.0)
+        self.pace[b] = old + OBSERVE_WEIGHT * (ratio - old)
 
     def observe_draft(self, key, depth: int, ms: float, n_drafted: int, batch: int = 1) -> None:
         """A step's drafting as it ran: `ms` for `n_drafted` tokens, everything the proposer did for

@@ -467,8 +467,11 @@ class SpeculativeDecoder:
         `logits`, theirs when the caller computed them with other sequences' (the scheduler)."""
         t0 = time.perf_counter()
         drafts, qs = seq.pending
-        if logits is None:
+        if logits is None:  # a step of this sequence alone: its forward and logits time its pace
             logits = engine.model.logits(hidden)
+            if self.cfg.policy == "cost" and seq.costs is not None:
+                step_costs(engine).observe_pace(seq.slot.cache.length - hidden.shape[0], hidden.shape[0],
+                                                forward_ms / 1e3 + time.perf_counter() - t0)
         n, y = accept_drafts(logits, drafts, qs, seq.sampler, seq.history)
         seq.slot.cache.trim(len(drafts) - n)  # the one rollback: KV entries and recurrent state alike
         seq.slot.tokens.extend([seq.x0] + drafts[:n])
