@@ -6,6 +6,9 @@ name. At load, for each such choice that exists for this model and build, the mo
 forward is timed at 1 and 4 rows (a decoding step and a k = 3 verification) with every option,
 and the fastest is kept:
 
+  prefetch    how far ahead of the weight stream the products prefetch (0, 1024, 2048, 4096 bytes;
+              0: the lines being read only, the stream left to the hardware prefetchers): on a Zen 4
+              VM 2048 bytes ahead slowed the Q6_K products to two thirds of what the memory gives
   grain_macs  how a product's rows are split between threads (multiply-adds per task: small
               matrices on one thread, or spread); only with more than one thread
   pair_nsb    from which K the verification tile pairs two Q4_Kx8 row groups (`x8_tile2`, the
@@ -36,6 +39,7 @@ import torch
 from . import kernels
 
 NEVER = 1 << 30  # pair_nsb: no K is long enough
+PREFETCH_OPTIONS = (0, 1024, 2048, 4096)  # 2048: the former fixed distance
 GRAIN_OPTIONS = (65536, 262144, 1048576)
 ROWS = (1, 4)
 ROWS_OF = {"tile_rows": (8,)}  # the row counts a choice changes, where not ROWS
@@ -78,7 +82,7 @@ def shapes(model) -> list:
 
 def choices(model) -> dict[str, list[int]]:
     """The choices that exist for this model on this build and thread count, with their options."""
-    out = {}
+    out = {"prefetch": list(PREFETCH_OPTIONS)}  # first: the others are timed on its choice
     if torch.get_num_threads() > 1:
         out["grain_macs"] = list(GRAIN_OPTIONS)
     if kernels.paired_tiles():
