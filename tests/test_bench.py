@@ -225,3 +225,18 @@ def test_short_bench_on_the_real_model(capsys, tmp_path):
     assert "Q4_K" in rep["conditions"]["models"][0]["quant_types"]
     for r in rep["rows"]:
         assert r["decode_tps"]["mean"] > 0 and r["load_ms"] > 0
+
+
+def test_cpu_named_by_family_and_model():
+    """Figures name the CPU by family and model (one model name covers Zen 3, 4 and 5 in these VMs)
+    and by the vector extensions the kernels depend on; only the first processor's block is read."""
+    from mtpllm.bench.report import cpu_model
+    zen4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_vnni\n\n"
+            "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: other\n")
+    assert cpu_model(zen4) == "AMD EPYC (family 25 model 17; avx512_vnni)"
+    intel = "cpu family\t: 6\nmodel\t\t: 167\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t: avx2 avx512_vnni amx_int8\n"
+    assert cpu_model(intel) == "Intel(R) Xeon(R) Processor (family 6 model 167; avx512_vnni, amx_int8)"
+    assert cpu_model("cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t: avx2 fma\n") == \
+        "AMD EPYC (family 25 model 1; avx2)"
+    assert cpu_model("") != ""  # no /proc/cpuinfo: the platform's name
