@@ -43,6 +43,7 @@ def _restore():
     kernels.tuning("pair_nsb", 8)
     kernels.tuning("tile_rows", 4)
     kernels.tuning("prefetch", 2048)
+    kernels.tuning("q6_prefetch", 2048)
 
 
 def test_the_cheaper_option_is_chosen_and_set(model, tmp_path, two_threads):

@@ -376,6 +376,7 @@ __attribute__((always_inline)) inline void q6x8_finish(const uint8_t* b, const A
 #if MTPLLM_VNNI
 template <int RM>
 inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const int64_t pf6 = mtpllm::tune_q6_prefetch();
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), lo16 = _mm512_set1_epi32(0xFFFF);
   const __m128i dl = _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
   const __m128i dh = _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15);
@@ -383,7 +384,7 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
   for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = blk + i * Q6X8_BYTES;
-    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    for (int o = 0; o < Q6X8_BYTES; o += 64) prefetch_weights(b, o, pf6);
     __m512i sl[RM], sh[RM];  // weights 0..15 / 16..31 of each group (their own scales)
     for (int r = 0; r < RM; ++r) sl[r] = sh[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -423,12 +424,13 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
 #else
 template <int RM>
 inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const int64_t pf6 = mtpllm::tune_q6_prefetch();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   __m256 facc[RM];
   for (int r = 0; r < RM; ++r) facc[r] = facc_out[r];
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = blk + i * Q6X8_BYTES;
-    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    for (int o = 0; o < Q6X8_BYTES; o += 64) prefetch_weights(b, o, pf6);
     __m256i sacc[2][RM];
     for (int r = 0; r < RM; ++r) sacc[0][r] = sacc[1][r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -471,10 +473,11 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
 // is decoded once per group and serves all RM rows; the same integers as q6x8_tile
 template <int RM>
 inline void q6x8_tile4(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* facc_out) {
+  const int64_t pf6 = mtpllm::tune_q6_prefetch();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int64_t i = 0; i < nsb; ++i) {
     const uint8_t* b = blk + i * Q6X8_BYTES;
-    for (int o = 0; o < Q6X8_BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PF + o), _MM_HINT_T0);
+    for (int o = 0; o < Q6X8_BYTES; o += 64) prefetch_weights(b, o, pf6);
     __m256i sq[2][RM];
 #pragma GCC unroll 2
     for (int q = 0; q < 2; ++q) {
