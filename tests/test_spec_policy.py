@@ -688,7 +688,9 @@ def test_drafting_dearer_than_timed_turns_the_policy_plain(confident, monkeypatc
     assert out.tokens == ref.tokens
     h = out.stats.k_hist
     assert h[0] >= 0.6 * sum(h), h
-    assert list(pace) == [0] and pace[0] > 0  # the steps' own pace was observed (the sleep is not in them)
+    # the steps' own pace was observed, the drafting's sleep not in it: counted, 50 ms on a step of a
+    # few ms would put it far above 10
+    assert list(pace) == [0] and 0 < pace[0] < 10, pace
 
 
 def test_a_heads_catch_up_is_not_priced_as_drafting(target):
@@ -765,6 +767,52 @@ def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypat
         assert [x.token for x in rs if x.token is not None] == ref.tokens
         h = rs[-1].stats.k_hist
         assert h[0] >= 0.6 * sum(h), h
+
+
+def test_a_request_alone_in_the_scheduler_sets_the_pace(confident, monkeypatch):
+    """One request in the scheduler: its steps' forward and logits against their timed cost move the
+    pace (here every forward sleeps 5 ms, rows timed at about 1 ms: each step is observed at 5x or
+    more); a plain request's steps on the same model (no cost policy) leave it where it was."""
+    import time
+
+    from mtpllm.runtime.scheduler import Scheduler
+    engine, cfg = confident
+    set_step_costs(engine, None)
+    real_t = StepCosts._time_rows
+
+    def timed(engine_, seq, counts, reps):
+        _, hidden = real_t(engine_, seq, counts, 1)
+        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(timed))
+    real_fb = engine.model.forward_batch
+    nap = [0.005]
+
+    def slow(tokens, caches):
+        time.sleep(nap[0])
+        return real_fb(tokens, caches)
+    monkeypatch.setattr(engine.model, "forward_batch", slow)
+    params = SamplingParams(**dict(GREEDY, max_tokens=40))
+    ids = engine.tokenizer.encode(PROMPT)
+    engine.reset()
+    try:
+        sched = Scheduler(engine, cfg.build(engine), n_slots=1)
+        try:
+            list(sched.submit(ids, params))
+        finally:
+            sched.shutdown(1)
+        table = step_costs(engine)
+        # a running mean from 1 towards >= 5 over the request's (>= 10) steps: above 3
+        assert list(table.pace) == [0] and table.pace[0] > 3, table.pace
+        before = dict(table.pace)
+        nap[0] = 0.05
+        plain = Scheduler(engine, None, n_slots=1)
+        try:
+            list(plain.submit(ids, SamplingParams(**dict(GREEDY, max_tokens=5))))
+        finally:
+            plain.shutdown(1)
+        assert table.pace == before
+    finally:
+        set_step_costs(engine, None)
 
 
 def test_given_costs_are_never_timed():

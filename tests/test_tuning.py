@@ -189,3 +189,17 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         assert not path.exists()
     finally:
         _restore()
+
+
+def test_prefetch_choices_are_checked():
+    """The kernels refuse prefetch values they do not implement: an odd (into L2) distance for the
+    products' `prefetch`, and distances past 64 KiB; the Q6_K tiles take an L2 distance."""
+    try:
+        for name, bad in (("prefetch", 1025), ("prefetch", 70000), ("q6_prefetch", 70001)):
+            with pytest.raises(RuntimeError, match="prefetch"):
+                kernels.tuning(name, bad)
+        kernels.tuning("q6_prefetch", 8193)
+        assert kernels.tuning("q6_prefetch") == 8193
+        assert set(tuning.Q6_PREFETCH_OPTIONS) >= {0, 2048} and all(v <= (1 << 16) + 1 for v in tuning.Q6_PREFETCH_OPTIONS)
+    finally:
+        _restore()

@@ -322,7 +322,8 @@ class Scheduler:
             drafting = sum(a.seq.step_draft_ms for _, a, _ in plans) / 1e3
             n_rows = sum(len(r) for _, _, r in plans)
             if len(plans) == 1:  # one sequence: its forward and logits against their timed cost
-                table.observe_pace(depths[0] - n_rows, n_rows, ms / 1e3)
+                if plans[0][1].seq.costs is not None:  # the cost policy's own steps only
+                    table.observe_pace(depths[0] - n_rows, n_rows, ms / 1e3)
             else:
                 table.observe_step(depths, n_rows, time.perf_counter() - t_plan - drafting)
 

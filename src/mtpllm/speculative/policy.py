@@ -12,8 +12,10 @@ The three inputs:
   sequence's own depth (attention grows with the cache, so the table is re-measured each time the
   depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
   is measured once per model and depth band and cached. Decoding then corrects both with what its
-  steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (the head's
-  catch-up over the accepted tokens and its Python included, which one timed token leaves out), and,
+  steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
+  included, which one timed token leaves out; the head's catch-up over the tokens accepted since
+  it last drafted left out, as it grows with the plain steps before a draft; priced against one sequence's steps as they run, `observe_pace`, so load on the machine that
+  slows both does not make drafting look dearer), and,
   for steps several sequences share, the whole step's wall time (its bookkeeping included) at the
   row counts it ran. Where a batch's drafting or rows cost more than timed, the policy drafts less.
 - the head's confidence: the probability it gives each draft. Before a draft is kept, its
@@ -203,7 +205,7 @@ class StepCosts:
         if self.fixed is not None or not seconds > 0 or n_rows < 1:
             return
         b = self._band(depth, n_rows)
-        if b is None:
+        if b is None or b != depth_band(depth):  # only a band's own timed rows set its pace
             return
         rows, ms = self.rows[b]
         ratio = seconds * 1e3 / (rows[n_rows - 1] * ms)

@@ -93,7 +93,7 @@ inline int64_t& tune_q6_prefetch() {
   return v;
 }
 // prefetch the weights at p + off, `choice` bytes ahead (odd: choice - 1 bytes ahead, into L2)
-inline void prefetch_weights(const uint8_t* p, int64_t off, int64_t choice) {
+__attribute__((always_inline)) inline void prefetch_weights(const uint8_t* p, int64_t off, int64_t choice) {
   const char* q = reinterpret_cast<const char*>(p) + (choice & ~int64_t{1}) + off;
   if (choice & 1)
     _mm_prefetch(q, _MM_HINT_T1);
