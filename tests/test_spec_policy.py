@@ -729,6 +729,17 @@ def test_a_heads_catch_up_is_not_priced_as_drafting(target):
     set_step_costs(target, None)
 
 
+def _rows_timed_at_1ms(monkeypatch):
+    """The cost table's timings replaced by about 1 ms per step at every row count (the forwards
+    still run, for the hidden state the proposer is timed on)."""
+    real_t = StepCosts._time_rows
+
+    def timed(engine_, seq, counts, reps):
+        _, hidden = real_t(engine_, seq, counts, 1)
+        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
+    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(timed))
+
+
 def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypatch):
     """Rows timed nearly free, but the batch's real steps cost 10 ms per extra row (here: a sleep
     in the batched forward, as a CPU that is compute-bound at those rows would): the steps'
@@ -738,12 +749,7 @@ def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypat
     from mtpllm.runtime.scheduler import Scheduler
     engine, cfg = confident
     set_step_costs(engine, None)
-    real_t = StepCosts._time_rows
-
-    def cheap(engine_, seq, counts, reps):
-        _, hidden = real_t(engine_, seq, counts, 1)
-        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
-    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(cheap))
+    _rows_timed_at_1ms(monkeypatch)
     spec = cfg.build(engine)
     monkeypatch.setattr(type(spec.proposer), "probe_ms", lambda self, st, hidden, x0: 0.01)
     real_fb = engine.model.forward_batch
@@ -778,12 +784,7 @@ def test_a_request_alone_in_the_scheduler_sets_the_pace(confident, monkeypatch):
     from mtpllm.runtime.scheduler import Scheduler
     engine, cfg = confident
     set_step_costs(engine, None)
-    real_t = StepCosts._time_rows
-
-    def timed(engine_, seq, counts, reps):
-        _, hidden = real_t(engine_, seq, counts, 1)
-        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
-    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(timed))
+    _rows_timed_at_1ms(monkeypatch)
     real_fb = engine.model.forward_batch
     nap = [0.005]
 
