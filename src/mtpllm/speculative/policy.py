@@ -14,8 +14,9 @@ The three inputs:
   is measured once per model and depth band and cached. Decoding then corrects both with what its
   steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
   included, which one timed token leaves out; the head's catch-up over the tokens accepted since
-  it last drafted left out, as it grows with the plain steps before a draft; priced against one sequence's steps as they run, `observe_pace`, so load on the machine that
-  slows both does not make drafting look dearer), and,
+  it last drafted left out, as it grows with the plain steps before a draft; priced against one
+  sequence's steps as they run, `observe_pace`, so load on the machine that slows both does not
+  make drafting look dearer), and,
   for steps several sequences share, the whole step's wall time (its bookkeeping included) at the
   row counts it ran. Where a batch's drafting or rows cost more than timed, the policy drafts less.
 - the head's confidence: the probability it gives each draft. Before a draft is kept, its
@@ -204,8 +205,8 @@ class StepCosts:
         the busier the machine, and the policy would stop drafting for as long as the load lasts."""
         if self.fixed is not None or not seconds > 0 or n_rows < 1:
             return
-        b = self._band(depth, n_rows)
-        if b is None or b != depth_band(depth):  # only a band's own timed rows set its pace
+        b = depth_band(depth)  # only a band's own timed rows set its pace
+        if b not in self.rows or len(self.rows[b][0]) < n_rows:
             return
         rows, ms = self.rows[b]
         ratio = seconds * 1e3 / (rows[n_rows - 1] * ms)
@@ -213,9 +214,10 @@ class StepCosts:
         self.pace[b] = old + OBSERVE_WEIGHT * (ratio - old)
 
     def observe_draft(self, key, depth: int, ms: float, n_drafted: int, batch: int = 1) -> None:
-        """A step's drafting as it ran: `ms` for `n_drafted` tokens, everything the proposer did for
-        them (a head's catch-up over the tokens accepted since it last drafted included; in a step
-        of `batch` sequences drafted together, this sequence's share). Blended into the running
+        """A step's drafting as it ran: `ms` for `n_drafted` tokens, what the proposer did for them
+        (a head's catch-up over the tokens accepted since it last drafted taken out by the caller,
+        `SpeculativeDecoder._observe_draft`; in a step of `batch` sequences drafted together, this
+        sequence's share). Blended into the running
         cost per drafted token at this depth band and batch size, which `get` uses from then on
         (the one timed token, `proposer.probe_ms`, is where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:

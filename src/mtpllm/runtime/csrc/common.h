@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <cstring>
 
-
 namespace mtpllm {
 
 inline float hsum(__m256 v) {
