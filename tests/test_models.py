@@ -240,13 +240,14 @@ def test_fused_decode_operators_match_pytorch(tiny_models, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("window", [0, 9, 40])
-@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (14, 2, 64), (6, 3, 80), (4, 2, 36)])
+@pytest.mark.parametrize("H,KV,D", [(12, 2, 128), (14, 2, 64), (10, 2, 64), (6, 3, 80), (4, 2, 36)])
 def test_cached_attention_rows_alone_or_together(H, KV, D, window):
     """The fused decode attention (rotary, cache write, attention over the cache) takes the query
     vectors that share a kv head together, sweeping keys and values in chunks: every row's output is
     still bit for bit what it is when the row is decoded alone (verification of drafts must equal
     decoding), at contexts that are and are not multiples of the chunk, head sizes with and without
-    a 32-dim tail; and it is attention (float64 reference, float32 rounding), over the last
+    a 32-dim tail, 5, 6 and 7 query heads per kv head (the values' tiles of 4 queries and a remainder
+    of 1, 2, 3); and it is attention (float64 reference, float32 rounding), over the last
     `window` keys of each row when a window is set (the MTP head's: shorter and longer than the
     context, not a multiple of the blocks of 8 keys). 12 rows of 14 heads are more query vectors than
     one task takes (64), so a row's queries are split between tasks; 300 positions span several

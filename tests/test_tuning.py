@@ -18,6 +18,13 @@ def model(tiny_dir):
     return load_model(make_tiny(tiny_dir / "tune.gguf", "qwen2", seed=8), "fast")
 
 
+@pytest.fixture(autouse=True)
+def attention_choice(monkeypatch):
+    """The tiny model's cache is far below the size from which attention's prefetch is a choice:
+    no size here, so that the choice exists (and its real timer stays cheap: two layers)."""
+    monkeypatch.setattr(tuning, "ATTN_BYTES", 0)
+
+
 @pytest.fixture
 def two_threads():
     old = torch.get_num_threads()
@@ -44,11 +51,13 @@ def _restore():
     kernels.tuning("tile_rows", 4)
     kernels.tuning("prefetch", 2048)
     kernels.tuning("q6_prefetch", 2048)
+    kernels.tuning("attn_prefetch", 0)
 
 
 def test_the_cheaper_option_is_chosen_and_set(model, tmp_path, two_threads):
     opts = tuning.choices(model)
     assert opts["grain_macs"] == list(tuning.GRAIN_OPTIONS)  # two threads: a real choice
+    assert opts["attn_prefetch"] == list(tuning.ATTN_PREFETCH_OPTIONS)  # timed on its own operator
     want = {name: o[0] for name, o in opts.items()}
     try:
         t = Timer(want)
@@ -177,7 +186,9 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         assert " done in " in err
         monkeypatch.setattr(kernels, "_NOTICE_AFTER_S", notice_after)
         entries = json.loads(path.read_text())["entries"]
-        assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs"}
+        assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs", "attn_prefetch"}
+        attn = [e for e in entries.values() if e["key"]["choice"] == "attn_prefetch"]
+        assert attn[0]["key"]["attention"] == list(tuning.attention_shape(Engine.load(str(src), n_ctx=64).model))
         for e in entries.values():
             assert tuning.valid_entry(e, e["key"], e["key"]["options"])
         before = path.read_text()
@@ -191,11 +202,23 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         _restore()
 
 
+def test_attention_is_a_choice_only_where_its_cache_can_outgrow_the_cpus_caches(model, monkeypatch):
+    """Attention's prefetch is timed only for a model whose float32 cache (every layer, its whole
+    context) can reach ATTN_BYTES: a smaller one is read from the CPU's caches, as the timing would be."""
+    cfg = model.cfg
+    size = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers * cfg.ctx_len
+    monkeypatch.setattr(tuning, "ATTN_BYTES", size)
+    assert tuning.choices(model)["attn_prefetch"] == [0, 1]
+    monkeypatch.setattr(tuning, "ATTN_BYTES", size + 1)
+    assert "attn_prefetch" not in tuning.choices(model)
+
+
 def test_prefetch_choices_are_checked():
     """The kernels refuse prefetch values they do not implement: an odd (into L2) distance for the
-    products' `prefetch`, and distances past 64 KiB; the Q6_K tiles take an L2 distance."""
+    products' `prefetch`, distances past 64 KiB, an attention prefetch other than 0 or 1; the Q6_K
+    tiles take an L2 distance."""
     try:
-        for name, bad in (("prefetch", 1025), ("prefetch", 70000), ("q6_prefetch", 70001)):
+        for name, bad in (("prefetch", 1025), ("prefetch", 70000), ("q6_prefetch", 70001), ("attn_prefetch", 2)):
             with pytest.raises(RuntimeError, match="prefetch"):
                 kernels.tuning(name, bad)
         kernels.tuning("q6_prefetch", 8193)

@@ -326,7 +326,8 @@ def tuning(name: str, value: int = -1) -> int:
     "pair_nsb" (verification tiles pair Q4_Kx8 row groups above this many super-blocks of K),
     "tile_rows" (rows of x per tile of the 8-row K-quant layouts above 4 rows: 4 or 8),
     "prefetch" (bytes ahead of the weight stream the products prefetch into L1; even) or
-    "q6_prefetch" (the same for the Q6_Kx8 tiles; an odd value v: v - 1 bytes ahead into L2).
+    "q6_prefetch" (the same for the Q6_Kx8 tiles; an odd value v: v - 1 bytes ahead into L2) or
+    "attn_prefetch" (decode attention's prefetch of the keys and values ahead: 0 or 1).
     Sets it when value >= 0; returns the value it had. Chosen per machine by `runtime/tuning.py`."""
     return int(_op("tuning")(name, int(value)))
 
@@ -334,7 +335,7 @@ def tuning(name: str, value: int = -1) -> int:
 def choice(name: str):
     """A setter for one of the kernels' code-path choices by name (for the timing scripts): the
     `x8_tile4` op, or a `tuning` choice ("grain_macs", "pair_nsb", "tile_rows", "prefetch",
-    "q6_prefetch")."""
+    "q6_prefetch", "attn_prefetch")."""
     if name == "x8_tile4":
         return x8_tile4
     tuning(name)  # an unknown name fails here, with the list of choices

@@ -45,6 +45,7 @@ NEVER = 1 << 30  # pair_nsb: no K is long enough
 PREFETCH_OPTIONS = (0, 1024, 2048, 4096)  # 2048: the former fixed distance
 Q6_PREFETCH_OPTIONS = (0, 2048, 4097, 8193, 16385)  # odd: (v - 1) bytes ahead into L2
 GRAIN_OPTIONS = (65536, 262144, 1048576)
+ATTN_PREFETCH_OPTIONS = (0, 1)  # 0: the former (the chunk after next into L1); 1: spread, into L2
 ROWS = (1, 4)
 ROWS_OF = {"tile_rows": (8,)}  # the row counts a choice changes, where not ROWS
 TILE_ROWS = (4, 8)
@@ -98,7 +99,51 @@ def choices(model) -> dict[str, list[int]]:
             out["pair_nsb"] = opts
         if any(kernels.Q4_KX8 in m._gt or kernels.Q6_KX8 in m._gt for m in _gguf_linears(model)):
             out["tile_rows"] = list(TILE_ROWS)
+    if attention_shape(model) is not None:
+        out["attn_prefetch"] = list(ATTN_PREFETCH_OPTIONS)
     return out
+
+
+# Attention choices are timed deep in a context: caches of ATTN_BYTES in all (more than a last-level
+# cache holds, so they come from memory as a long context's do) at ATTN_DEPTH positions
+ATTN_DEPTH, ATTN_BYTES = 4096, 128 << 20
+
+
+def attention_shape(model) -> tuple[int, int, int] | None:
+    """(query heads, kv heads, head size) of the model's decode attention where the kernels' query-
+    parallel attention runs it (head size a multiple of 8) and its cache can outgrow ATTN_BYTES
+    (float32 keys and values of every layer at the model's context length), else None: a smaller
+    cache stays in the CPU's caches, where how it is prefetched matters little."""
+    cfg = getattr(model, "cfg", None)
+    H, KV, D = (int(getattr(cfg, n, 0) or 0) for n in ("n_heads", "n_kv_heads", "head_dim"))
+    if not (H and KV and D) or D % 8 or H % KV:
+        return None
+    if 2 * KV * D * 4 * int(getattr(cfg, "n_layers", 0) or 0) * int(getattr(cfg, "ctx_len", 0) or 0) < ATTN_BYTES:
+        return None
+    return H, KV, D
+
+
+def attention_timer(model, rows=ROWS):
+    """ms of decode attention (`kernels.attend_cached`) over layers of caches at ATTN_DEPTH positions,
+    shaped like the model's, at each row count in `rows`, added up."""
+    H, KV, D = attention_shape(model)
+    L = ATTN_DEPTH + max(rows)
+    layers = max(2, -(-ATTN_BYTES // (2 * KV * L * D * 4)))
+    caches = [(torch.full((KV, L, D), 0.01), torch.full((KV, L, D), 0.02)) for _ in range(layers)]
+    ang = torch.outer(torch.arange(L).float(), 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    qkv = {r: torch.full((r, (H + 2 * KV) * D), 0.1) for r in rows}
+
+    def run() -> float:
+        total = 0.0
+        for r in rows:
+            t0 = time.perf_counter()
+            for kc, vc in caches:
+                kernels.attend_cached(qkv[r], cos, sin, kc, vc, ATTN_DEPTH, H, KV, D, D, True, D ** -0.5, None, None,
+                                      1e-6, 0)
+            total += time.perf_counter() - t0
+        return total * 1e3
+    return run
 
 
 def forward_timer(model, rows=ROWS):
@@ -116,6 +161,11 @@ def forward_timer(model, rows=ROWS):
             cache.reset()
         return total * 1e3
     return run
+
+
+# choices timed on their own operator instead of the model's forward (near position 0, where
+# attention is a small part of a step)
+TIMERS = {"attn_prefetch": attention_timer}
 
 
 def _check(key: dict, choice, ms: dict) -> str:
@@ -173,6 +223,8 @@ def tune(model, path: Path | None = None, timer=None, reps: int = REPS) -> dict:
     out, changed = {}, False
     for name, options in opts.items():
         key = {**base, "choice": name, "options": options}
+        if name in TIMERS:  # timed on its own operator: keyed by what that operator sees
+            key["attention"] = list(attention_shape(model))
         kid = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         entry = entries.get(kid)
         if valid_entry(entry, key, options):
@@ -182,9 +234,10 @@ def tune(model, path: Path | None = None, timer=None, reps: int = REPS) -> dict:
         best = {o: math.inf for o in options}
         old = kernels.tuning(name)
         rows = ROWS_OF.get(name, ROWS)
-        if timer is None and rows not in runs:
-            runs[rows] = forward_timer(model, rows)
-        run = runs.get(rows)
+        make = TIMERS.get(name, forward_timer)
+        if timer is None and (make, rows) not in runs:
+            runs[make, rows] = make(model, rows)
+        run = runs.get((make, rows))
         try:
             for _ in range(reps if timer is None else 1):  # options interleaved: drift falls on all alike
                 for o in options:

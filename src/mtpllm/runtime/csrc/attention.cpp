@@ -195,6 +195,26 @@ struct V512 {
 };
 #endif
 
+// P.V for NQ queries (their weights at w, QW per key) over L keys and 4 QW output elements (vals:
+// the first key's, D floats per key): each sum in key order, one multiply-add per key, as in the
+// general loop below (register-resident accumulators where it keeps them in memory)
+template <class VT, int NQ>
+inline void pv_tile(typename VT::v (&s)[4][4], const float* vals, const float* w, int64_t L, int64_t D) {
+  constexpr int64_t QW = VT::W;
+  for (int64_t r = 0; r < L; ++r) {
+    const float* vr = vals + r * D;
+    const typename VT::v v0 = VT::load(vr), v1 = VT::load(vr + QW), v2 = VT::load(vr + 2 * QW), v3 = VT::load(vr + 3 * QW);
+    const float* wr = w + r * QW;
+    for (int i = 0; i < NQ; ++i) {
+      const typename VT::v wi = VT::set1(wr[i]);
+      s[i][0] = VT::fma(wi, v0, s[i][0]);
+      s[i][1] = VT::fma(wi, v1, s[i][1]);
+      s[i][2] = VT::fma(wi, v2, s[i][2]);
+      s[i][3] = VT::fma(wi, v3, s[i][3]);
+    }
+  }
+}
+
 // Attention of n (<= 64) query vectors that share one kv head, QW queries per vector lane-wise,
 // in one sweep over the keys and values in chunks of CH positions aligned to multiples of CH (each
 // chunk read from memory once for all n queries: deep in a context the cache is streamed once per
@@ -207,7 +227,7 @@ struct V512 {
 // its state unchanged, so its output is bit for bit the same whatever queries share its task: a
 // row decoded alone and the same row verified with drafts agree.
 // scratch: nsb * QW * (2 D + ACH) floats, nsb = ceil(n / QW).
-constexpr int64_t ACH = 64, PF_CHUNKS = 2;
+constexpr int64_t ACH = 64, PF_CHUNKS = 2, PF_SPREAD = 128;
 template <class VT>
 void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
                     const float* K, const float* V, int64_t D, float sc, float* scratch) {
@@ -237,12 +257,14 @@ void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const
   for (int64_t b = 0; b < nsb; ++b) Lmin = std::min(Lmin, lmin[b]), Lmax = std::max(Lmax, lmax[b]);
   const vq vsc = VT::set1(sc);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  const bool spread = ::mtpllm::tune_attn_prefetch() == 1;
   for (int64_t c = (Lmin / ACH) * ACH; c < Lmax; c += ACH) {
-    // the keys and values of the chunk after next, on their way from memory while this one is
-    // computed (two streams that alternate chunk by chunk defeat the hardware prefetcher: one
-    // decoded row at 32K positions took 26% longer without this)
+    // the keys and values ahead, on their way from memory while this chunk is computed (two streams
+    // that alternate chunk by chunk defeat the hardware prefetcher: one decoded row at 32K positions
+    // took 26% longer without this). `attn_prefetch` (common.h): 0, the chunk after next into L1 at
+    // the start of each chunk; 1, below: the keys PF_SPREAD positions ahead of each block of 8, into L2
     const int64_t pa = c + PF_CHUNKS * ACH, pz = std::min(pa + ACH, Lmax);
-    if (pa < pz) {
+    if (!spread && pa < pz) {
       const char* kb = reinterpret_cast<const char*>(K + pa * D);
       const char* vb = reinterpret_cast<const char*>(V + pa * D);
       for (int64_t o = 0; o < (pz - pa) * row_bytes; o += 64) {
@@ -261,6 +283,14 @@ void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const
         vq s8[8];
         for (int k = 0; k < 8; ++k) s8[k] = VT::zero();
         const float* kr = K + j * D;
+        if (spread && b == 0 && j + PF_SPREAD + 8 <= Lmax) {
+          const char* kb = reinterpret_cast<const char*>(kr + PF_SPREAD * D);
+          const char* vb = reinterpret_cast<const char*>(V + (j + PF_SPREAD) * D);
+          for (int64_t o = 0; o < 8 * row_bytes; o += 64) {
+            _mm_prefetch(kb + o, _MM_HINT_T1);
+            _mm_prefetch(vb + o, _MM_HINT_T1);
+          }
+        }
         for (int64_t d = 0; d < D; ++d) {
           const vq qd = VT::load(t + d * QW);
           for (int k = 0; k < 8; ++k) s8[k] = VT::fma(VT::set1(kr[k * D + d]), qd, s8[k]);
@@ -303,19 +333,15 @@ void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const
             const vq si = VT::set1(scl[i0 + i]);
             for (int64_t v = 0; v < nv; ++v) s[i][v] = VT::mul(VT::load(acc + (b * QW + i0 + i) * D + d0 + v * QW), si);
           }
+          // a group of 4 queries and its remainder (one decoded row of the 1.5B: 6 queries per kv head)
           if (nv == 4 && nq == 4) {
-            for (int64_t r = 0; r < L; ++r) {
-              const float* vr = V + (a + r) * D + d0;
-              const vq v0 = VT::load(vr), v1 = VT::load(vr + QW), v2 = VT::load(vr + 2 * QW), v3 = VT::load(vr + 3 * QW);
-              const float* wr = sb + r * QW + i0;
-              for (int i = 0; i < 4; ++i) {
-                const vq wi = VT::set1(wr[i]);
-                s[i][0] = VT::fma(wi, v0, s[i][0]);
-                s[i][1] = VT::fma(wi, v1, s[i][1]);
-                s[i][2] = VT::fma(wi, v2, s[i][2]);
-                s[i][3] = VT::fma(wi, v3, s[i][3]);
-              }
-            }
+            pv_tile<VT, 4>(s, V + a * D + d0, sb + i0, L, D);
+          } else if (nv == 4 && nq == 3) {
+            pv_tile<VT, 3>(s, V + a * D + d0, sb + i0, L, D);
+          } else if (nv == 4 && nq == 2) {
+            pv_tile<VT, 2>(s, V + a * D + d0, sb + i0, L, D);
+          } else if (nv == 4 && nq == 1) {
+            pv_tile<VT, 1>(s, V + a * D + d0, sb + i0, L, D);
           } else {
             for (int64_t r = 0; r < L; ++r) {
               const float* vr = V + (a + r) * D + d0;

@@ -308,8 +308,9 @@ int64_t tuning(c10::string_view name, int64_t value) {
   if (name == "tile_rows") v = &mtpllm::tune_tile_rows();
   if (name == "prefetch") v = &mtpllm::tune_prefetch();
   if (name == "q6_prefetch") v = &mtpllm::tune_q6_prefetch();
+  if (name == "attn_prefetch") v = &mtpllm::tune_attn_prefetch();
   TORCH_CHECK(v != nullptr, "tuning: unknown choice '", std::string(name.data(), name.size()),
-              "' (grain_macs, pair_nsb, tile_rows, prefetch, q6_prefetch)");
+              "' (grain_macs, pair_nsb, tile_rows, prefetch, q6_prefetch, attn_prefetch)");
   const int64_t old = *v;
   if (value >= 0) {
     TORCH_CHECK(name != "grain_macs" || value >= 1, "tuning: grain_macs must be at least 1");
@@ -317,6 +318,7 @@ int64_t tuning(c10::string_view name, int64_t value) {
     TORCH_CHECK((name != "prefetch" && name != "q6_prefetch") || value <= (1 << 16) + 1,
                 "tuning: a prefetch distance must be at most 65536 bytes");
     TORCH_CHECK(name != "prefetch" || value % 2 == 0, "tuning: prefetch must be even (into L1)");
+    TORCH_CHECK(name != "attn_prefetch" || value <= 1, "tuning: attn_prefetch must be 0 or 1");
     *v = value;
   }
   return old;
