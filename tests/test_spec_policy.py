@@ -371,6 +371,27 @@ def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(ta
     assert table.timings == 2 and 1 in table.rows
 
 
+def test_a_long_timing_pass_is_not_repeated(target, monkeypatch):
+    """Deep in a long context (a pass over the row counts longer than TIMING_BUDGET_S) the forwards
+    are timed once instead of REPS times; short passes are repeated and the fastest kept. The cache
+    is left as it was either way."""
+    import torch
+    from types import SimpleNamespace
+    rows = []
+    real = policy.step_logits
+    monkeypatch.setattr(policy, "step_logits", lambda model, h: rows.append(h.shape[0]) or real(model, h))
+    cache = target.model.make_cache(64)
+    with torch.inference_mode():
+        target.model(torch.arange(3, 20), cache)
+    seq = SimpleNamespace(slot=SimpleNamespace(cache=cache), x0=7)
+    for budget, passes in ((1e9, 3), (0.0, 1)):
+        rows.clear()
+        monkeypatch.setattr(policy, "TIMING_BUDGET_S", budget)
+        t, hidden = StepCosts._time_rows(target, seq, [1, 2, 3], 3)
+        assert rows == [1, 2, 3] * passes and sorted(t) == [1, 2, 3] and hidden.shape[0] == 1
+        assert cache.length == 17
+
+
 def _fake_timer(monkeypatch, calls, ms):
     """Forward times replaced by ms(r) for r rows (the real forwards still run; only their times
     are replaced, so the cache roll-back is the real one); each timing's row counts go to `calls`."""
