@@ -251,7 +251,7 @@ def test_cached_attention_rows_alone_or_together(H, KV, D, window):
     `window` keys of each row when a window is set (the MTP head's: shorter and longer than the
     context, not a multiple of the blocks of 8 keys). 12 rows of 14 heads are more query vectors than
     one task takes (64), so a row's queries are split between tasks; 300 positions span several
-    chunks of the online softmax."""
+    chunks of the online softmax. Either prefetch of the keys ahead (`attn_prefetch`) gives the same bits."""
     from mtpllm.runtime import kernels
     if not kernels.available():
         pytest.skip(kernels.status())
@@ -268,6 +268,11 @@ def test_cached_attention_rows_alone_or_together(H, KV, D, window):
                                          None, None, 1e-6, window)
         k1, v1 = kc.clone(), vc.clone()
         together = attend(qkv, start, k1, v1)
+        old = kernels.tuning("attn_prefetch", 1 - kernels.tuning("attn_prefetch"))  # the other prefetch:
+        try:  # at 300 positions both prefetch (the burst from 128 positions on, the spread 128 ahead)
+            assert torch.equal(attend(qkv, start, kc.clone(), vc.clone()), together)
+        finally:
+            kernels.tuning("attn_prefetch", old)
         k2, v2 = kc.clone(), vc.clone()
         alone = torch.cat([attend(qkv[t:t + 1], start + t, k2, v2) for t in range(T)])
         assert torch.equal(together, alone) and torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -188,7 +188,8 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         entries = json.loads(path.read_text())["entries"]
         assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs", "attn_prefetch"}
         attn = [e for e in entries.values() if e["key"]["choice"] == "attn_prefetch"]
-        assert attn[0]["key"]["attention"] == list(tuning.attention_shape(Engine.load(str(src), n_ctx=64).model))
+        assert attn[0]["key"]["attention"] == list(tuning.attention_shape(Engine.load(str(src), n_ctx=64).model)) \
+            + [tuning.ATTN_DEPTH, tuning.ATTN_BYTES]  # what the timer saw
         for e in entries.values():
             assert tuning.valid_entry(e, e["key"], e["key"]["options"])
         before = path.read_text()
@@ -203,14 +204,23 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
 
 
 def test_attention_is_a_choice_only_where_its_cache_can_outgrow_the_cpus_caches(model, monkeypatch):
-    """Attention's prefetch is timed only for a model whose float32 cache (every layer, its whole
-    context) can reach ATTN_BYTES: a smaller one is read from the CPU's caches, as the timing would be."""
+    """Attention's prefetch is timed only for a model whose float32 cache (every attention layer, its
+    whole context) can reach ATTN_BYTES: a smaller one is read from the CPU's caches, as the timing
+    would be."""
     cfg = model.cfg
     size = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers * cfg.ctx_len
     monkeypatch.setattr(tuning, "ATTN_BYTES", size)
     assert tuning.choices(model)["attn_prefetch"] == [0, 1]
     monkeypatch.setattr(tuning, "ATTN_BYTES", size + 1)
     assert "attn_prefetch" not in tuning.choices(model)
+    # a hybrid's recurrent layers keep no keys or values: only its attention layers count
+    from types import SimpleNamespace
+    hybrid = SimpleNamespace(cfg=SimpleNamespace(n_heads=8, n_kv_heads=2, head_dim=64, n_layers=8, ctx_len=1024,
+                                                 recurrent=(True, True, True, False) * 2))
+    monkeypatch.setattr(tuning, "ATTN_BYTES", 2 * 2 * 64 * 4 * 2 * 1024)  # its 2 attention layers' cache
+    assert tuning.attention_shape(hybrid) == (8, 2, 64)
+    monkeypatch.setattr(tuning, "ATTN_BYTES", 2 * 2 * 64 * 4 * 2 * 1024 + 1)
+    assert tuning.attention_shape(hybrid) is None
 
 
 def test_prefetch_choices_are_checked():

@@ -19,6 +19,12 @@ and the fastest is kept:
   tile_rows   rows of x per tile of the 8-row K-quant layouts above 4 rows (4 or 8; the AVX-512
               VNNI build): what several sequences' verification rows in one step cost. Timed at 8
               rows (two sequences verifying 3 drafts each); the others at 1 and 4
+  attn_prefetch how decode attention prefetches the keys and values ahead of its sweep (0: the
+              chunk after next into L1; 1: spread over its blocks of 8 keys, 128 positions ahead,
+              into L2). Timed on the attention operator itself (`attention_timer`: 128 MiB of
+              caches shaped like the model's at 4,096 positions, 1 and 4 rows), since near position
+              0, where the forward is timed, attention is a small part of a step; only for models
+              whose cache can grow that large
 
 The choice is cached in `tuning.json` in the model cache (`$MTPLLM_CACHE`, ~/.cache/mtpllm;
 `$MTPLLM_TUNING_CACHE` names the file), keyed by the CPU model and flags, the kernels' build
@@ -112,13 +118,14 @@ ATTN_DEPTH, ATTN_BYTES = 4096, 128 << 20
 def attention_shape(model) -> tuple[int, int, int] | None:
     """(query heads, kv heads, head size) of the model's decode attention where the kernels' query-
     parallel attention runs it (head size a multiple of 8) and its cache can outgrow ATTN_BYTES
-    (float32 keys and values of every layer at the model's context length), else None: a smaller
+    (float32 keys and values of every attention layer at the model's context length), else None: a smaller
     cache stays in the CPU's caches, where how it is prefetched matters little."""
     cfg = getattr(model, "cfg", None)
     H, KV, D = (int(getattr(cfg, n, 0) or 0) for n in ("n_heads", "n_kv_heads", "head_dim"))
     if not (H and KV and D) or D % 8 or H % KV:
         return None
-    if 2 * KV * D * 4 * int(getattr(cfg, "n_layers", 0) or 0) * int(getattr(cfg, "ctx_len", 0) or 0) < ATTN_BYTES:
+    n_attn = int(getattr(cfg, "n_layers", 0) or 0) - sum(bool(r) for r in getattr(cfg, "recurrent", ()) or ())
+    if 2 * KV * D * 4 * n_attn * int(getattr(cfg, "ctx_len", 0) or 0) < ATTN_BYTES:
         return None
     return H, KV, D
 
@@ -224,7 +231,7 @@ def tune(model, path: Path | None = None, timer=None, reps: int = REPS) -> dict:
     for name, options in opts.items():
         key = {**base, "choice": name, "options": options}
         if name in TIMERS:  # timed on its own operator: keyed by what that operator sees
-            key["attention"] = list(attention_shape(model))
+            key["attention"] = list(attention_shape(model)) + [ATTN_DEPTH, ATTN_BYTES]
         kid = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         entry = entries.get(kid)
         if valid_entry(entry, key, options):
@@ -246,6 +253,8 @@ def tune(model, path: Path | None = None, timer=None, reps: int = REPS) -> dict:
         except Exception:
             kernels.tuning(name, old)
             raise
+        if name in TIMERS:
+            runs.pop((make, rows), None)  # its own caches (ATTN_BYTES) are not kept past its timing
         choice = min(options, key=lambda o: (best[o], options.index(o)))
         ms = {str(o): best[o] for o in options}
         kernels.tuning(name, choice)
