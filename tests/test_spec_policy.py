@@ -371,10 +371,9 @@ def test_costs_are_measured_once_per_depth_band_and_leave_the_cache_as_it_was(ta
     assert table.timings == 2 and 1 in table.rows
 
 
-def test_a_long_timing_pass_is_not_repeated(target, monkeypatch):
-    """Deep in a long context (a pass over the row counts longer than TIMING_BUDGET_S) the forwards
-    are timed once instead of REPS times; short passes are repeated and the fastest kept. The cache
-    is left as it was either way."""
+def test_rows_are_timed_once_deep_in_a_context(target, monkeypatch):
+    """From LONG_TIMING_DEPTH on, the row counts are timed in one pass after one untimed forward;
+    shallower, REPS passes (the fastest kept). The cache is left as it was either way."""
     import torch
     from types import SimpleNamespace
     rows = []
@@ -384,12 +383,12 @@ def test_a_long_timing_pass_is_not_repeated(target, monkeypatch):
     with torch.inference_mode():
         target.model(torch.arange(3, 20), cache)
     seq = SimpleNamespace(slot=SimpleNamespace(cache=cache), x0=7)
-    for budget, passes in ((1e9, 3), (0.0, 1)):
+    for depth, want in ((18, [1, 2, 3] * policy.REPS), (17, [1] + [1, 2, 3])):
         rows.clear()
-        monkeypatch.setattr(policy, "TIMING_BUDGET_S", budget)
-        t, hidden = StepCosts._time_rows(target, seq, [1, 2, 3], 3)
-        assert rows == [1, 2, 3] * passes and sorted(t) == [1, 2, 3] and hidden.shape[0] == 1
-        assert cache.length == 17
+        monkeypatch.setattr(policy, "LONG_TIMING_DEPTH", depth)  # the cache holds 17 positions
+        table = StepCosts()
+        assert table.measure(target, seq, 3, None, "lookup")
+        assert rows == want and len(table.rows[0][0]) == 3 and cache.length == 17
 
 
 def _fake_timer(monkeypatch, calls, ms):

@@ -60,10 +60,12 @@ PROBE_MIN, PROBE_MAX = 4, 64  # plain steps between single-draft probes while dr
 DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyond gets its own
 DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
 REPS = 3  # timings per row count (the fastest is kept)
-# A pass over the row counts that takes longer than this is not repeated: deep in a long context one
-# timing of a forward of ~0.1 s is stable enough, and two more passes over 1..9 rows added ~1.5 s (the
-# 0.5B at 8K positions) to ~4 s (the 1.5B at 8K, the 0.5B at 32K) before the first generated token
-TIMING_BUDGET_S = 0.25
+# From this depth on the row counts are timed in one pass, after one untimed forward (the first at
+# a depth pays for cold caches): there a forward streams a cache of tens of MB and one timing is
+# stable enough, where three passes over 1..9 rows added ~1.5 s (the 0.5B at 8K positions) to ~4 s
+# (the 1.5B at 8K, the 0.5B at 32K) before the first generated token. Shallower, where a timing is
+# short and noisy, the fastest of REPS passes is kept.
+LONG_TIMING_DEPTH = 4096
 BATCH_REPS = 1  # the same for a batch's table: the shared steps' observed times correct it (`observe_step`)
 OBSERVE_WEIGHT = 0.1  # weight of one observed step in the running estimates (~10 steps of memory)
 
@@ -259,8 +261,7 @@ class StepCosts:
     @torch.inference_mode()
     def _time_rows(engine, seq, counts: list[int], reps: int):
         """Fastest of `reps` timings of the target's forward + logits at each row count on the
-        sequence's own cache (rolled back after each) -> ({count: seconds}, the 1-row hidden state).
-        Passes stop early once one takes more than TIMING_BUDGET_S."""
+        sequence's own cache (rolled back after each) -> ({count: seconds}, the 1-row hidden state)."""
         cache = seq.slot.cache
         from ..runtime.kv_cache import KVCache
         by_trim = type(cache) is KVCache and not any(cache.ring)
@@ -268,7 +269,6 @@ class StepCosts:
         best = {r: math.inf for r in counts}
         hidden = None
         for _ in range(reps):
-            t_pass = time.perf_counter()
             for r in counts:
                 snap = None if by_trim else cache.snapshot()
                 t0 = time.perf_counter()
@@ -281,8 +281,6 @@ class StepCosts:
                     cache.restore(snap)
                 if r == 1:
                     hidden = h
-            if time.perf_counter() - t_pass > TIMING_BUDGET_S:
-                break
         return best, hidden
 
     def batch_costs(self, engine, seq, n_seqs: int, n_rows: int, base: Costs) -> Costs:
@@ -365,7 +363,11 @@ class StepCosts:
         band = depth_band(cache.length)
         have = self.rows.get(band)
         timed = have is None or len(have[0]) < n_rows  # else only the proposer is timed
-        t, hidden = self._time_rows(engine, seq, list(range(1, (n_rows if timed else 1) + 1)), reps if timed else 1)
+        deep = cache.length >= LONG_TIMING_DEPTH
+        if timed and deep:
+            self._time_rows(engine, seq, [1], 1)  # untimed: see LONG_TIMING_DEPTH
+        t, hidden = self._time_rows(engine, seq, list(range(1, (n_rows if timed else 1) + 1)),
+                                    reps if timed and not deep else 1)
         if timed:
             one = max(t[1], 1e-9)
             self.rows[band] = ([t[r] / one for r in range(1, n_rows + 1)], one * 1e3)
