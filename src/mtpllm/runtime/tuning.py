@@ -117,9 +117,9 @@ ATTN_DEPTH, ATTN_BYTES = 4096, 128 << 20
 
 def attention_shape(model) -> tuple[int, int, int] | None:
     """(query heads, kv heads, head size) of the model's decode attention where the kernels' query-
-    parallel attention runs it (head size a multiple of 8) and its cache can outgrow ATTN_BYTES
-    (float32 keys and values of every attention layer at the model's context length), else None: a smaller
-    cache stays in the CPU's caches, where how it is prefetched matters little."""
+    parallel attention runs it (head size a multiple of 8) and its cache can reach ATTN_BYTES
+    (float32 keys and values of every attention layer at the model's context length), else None:
+    a smaller cache stays in the CPU's caches, where how it is prefetched matters little."""
     cfg = getattr(model, "cfg", None)
     H, KV, D = (int(getattr(cfg, n, 0) or 0) for n in ("n_heads", "n_kv_heads", "head_dim"))
     if not (H and KV and D) or D % 8 or H % KV:

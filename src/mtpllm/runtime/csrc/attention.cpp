@@ -201,12 +201,13 @@ struct V512 {
 template <class VT, int NQ>
 inline void pv_tile(typename VT::v (&s)[4][4], const float* vals, const float* w, int64_t L, int64_t D) {
   constexpr int64_t QW = VT::W;
+  typedef typename VT::v vq;
   for (int64_t r = 0; r < L; ++r) {
     const float* vr = vals + r * D;
-    const typename VT::v v0 = VT::load(vr), v1 = VT::load(vr + QW), v2 = VT::load(vr + 2 * QW), v3 = VT::load(vr + 3 * QW);
+    const vq v0 = VT::load(vr), v1 = VT::load(vr + QW), v2 = VT::load(vr + 2 * QW), v3 = VT::load(vr + 3 * QW);
     const float* wr = w + r * QW;
     for (int i = 0; i < NQ; ++i) {
-      const typename VT::v wi = VT::set1(wr[i]);
+      const vq wi = VT::set1(wr[i]);
       s[i][0] = VT::fma(wi, v0, s[i][0]);
       s[i][1] = VT::fma(wi, v1, s[i][1]);
       s[i][2] = VT::fma(wi, v2, s[i][2]);
