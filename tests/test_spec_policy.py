@@ -752,12 +752,7 @@ def test_a_heads_catch_up_is_not_priced_as_drafting(target):
 def _rows_timed_at_1ms(monkeypatch):
     """The cost table's timings replaced by about 1 ms per step at every row count (the forwards
     still run, for the hidden state the proposer is timed on)."""
-    real_t = StepCosts._time_rows
-
-    def timed(engine_, seq, counts, reps):
-        _, hidden = real_t(engine_, seq, counts, 1)
-        return {r: (1 + 0.001 * r) * 1e-3 for r in counts}, hidden
-    monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(timed))
+    _fake_timer(monkeypatch, [], lambda r: 1 + 0.001 * r)
 
 
 def test_batch_steps_dearer_than_timed_turn_the_batch_plain(confident, monkeypatch):

@@ -180,7 +180,7 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         notice_after = kernels._NOTICE_AFTER_S
         monkeypatch.setattr(kernels, "_NOTICE_AFTER_S", 0.0)
         capsys.readouterr()
-        Engine.load(str(src), n_ctx=64)
+        eng = Engine.load(str(src), n_ctx=64)
         err = capsys.readouterr().err
         assert f"timing the kernels' alternative paths on this CPU (first load only; cached in {path})" in err
         assert " done in " in err
@@ -188,7 +188,7 @@ def test_real_timing_at_load_writes_the_cache(tiny_dir, tmp_path, monkeypatch, t
         entries = json.loads(path.read_text())["entries"]
         assert {e["key"]["choice"] for e in entries.values()} >= {"grain_macs", "attn_prefetch"}
         attn = [e for e in entries.values() if e["key"]["choice"] == "attn_prefetch"]
-        assert attn[0]["key"]["attention"] == list(tuning.attention_shape(Engine.load(str(src), n_ctx=64).model)) \
+        assert attn[0]["key"]["attention"] == list(tuning.attention_shape(eng.model)) \
             + [tuning.ATTN_DEPTH, tuning.ATTN_BYTES]  # what the timer saw
         for e in entries.values():
             assert tuning.valid_entry(e, e["key"], e["key"]["options"])

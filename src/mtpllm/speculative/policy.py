@@ -223,9 +223,9 @@ class StepCosts:
         """A step's drafting as it ran: `ms` for `n_drafted` tokens, what the proposer did for them
         (a head's catch-up over the tokens accepted since it last drafted taken out by the caller,
         `SpeculativeDecoder._observe_draft`; in a step of `batch` sequences drafted together, this
-        sequence's share). Blended into the running
-        cost per drafted token at this depth band and batch size, which `get` uses from then on
-        (the one timed token, `proposer.probe_ms`, is where it starts)."""
+        sequence's share). Blended into the running cost per drafted token at this depth band and
+        batch size, which `get` uses from then on (the one timed token, `proposer.probe_ms`, is
+        where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
             return
         band = depth_band(depth)

@@ -229,6 +229,22 @@ inline void pv_tile(typename VT::v (&s)[4][4], const float* vals, const float* w
 // row decoded alone and the same row verified with drafts agree.
 // scratch: nsb * QW * (2 D + ACH) floats, nsb = ceil(n / QW).
 constexpr int64_t ACH = 64, PF_CHUNKS = 2, PF_SPREAD = 128;
+// prefetch `bytes` of keys and of values from position j on (rows of D floats), into L1 or L2
+template <bool L1>
+__attribute__((always_inline)) inline void prefetch_kv(const float* K, const float* V, int64_t j, int64_t bytes,
+                                                       int64_t D) {
+  const char* kb = reinterpret_cast<const char*>(K + j * D);
+  const char* vb = reinterpret_cast<const char*>(V + j * D);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if constexpr (L1) {
+      _mm_prefetch(kb + o, _MM_HINT_T0);
+      _mm_prefetch(vb + o, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(kb + o, _MM_HINT_T1);
+      _mm_prefetch(vb + o, _MM_HINT_T1);
+    }
+  }
+}
 template <class VT>
 void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const int64_t* lo, const int64_t* end,
                     const float* K, const float* V, int64_t D, float sc, float* scratch) {
@@ -265,14 +281,7 @@ void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const
     // took 26% longer without this). `attn_prefetch` (common.h): 0, the chunk after next into L1 at
     // the start of each chunk; 1, below: the keys PF_SPREAD positions ahead of each block of 8, into L2
     const int64_t pa = c + PF_CHUNKS * ACH, pz = std::min(pa + ACH, Lmax);
-    if (!spread && pa < pz) {
-      const char* kb = reinterpret_cast<const char*>(K + pa * D);
-      const char* vb = reinterpret_cast<const char*>(V + pa * D);
-      for (int64_t o = 0; o < (pz - pa) * row_bytes; o += 64) {
-        _mm_prefetch(kb + o, _MM_HINT_T0);
-        _mm_prefetch(vb + o, _MM_HINT_T0);
-      }
-    }
+    if (!spread && pa < pz) prefetch_kv<true>(K, V, pa, (pz - pa) * row_bytes, D);
     for (int64_t b = 0; b < nsb; ++b) {
       const int64_t a = std::max(c, lmin[b]), z = std::min(c + ACH, lmax[b]);
       if (a >= z) continue;
@@ -284,14 +293,8 @@ void attend_queries_t(int64_t n, const float* const* qv, float* const* ov, const
         vq s8[8];
         for (int k = 0; k < 8; ++k) s8[k] = VT::zero();
         const float* kr = K + j * D;
-        if (spread && b == 0 && j + PF_SPREAD + 8 <= Lmax) {
-          const char* kb = reinterpret_cast<const char*>(kr + PF_SPREAD * D);
-          const char* vb = reinterpret_cast<const char*>(V + (j + PF_SPREAD) * D);
-          for (int64_t o = 0; o < 8 * row_bytes; o += 64) {
-            _mm_prefetch(kb + o, _MM_HINT_T1);
-            _mm_prefetch(vb + o, _MM_HINT_T1);
-          }
-        }
+        if (spread && b == 0 && j + PF_SPREAD + 8 <= Lmax)
+          prefetch_kv<false>(K, V, j + PF_SPREAD, 8 * row_bytes, D);
         for (int64_t d = 0; d < D; ++d) {
           const vq qd = VT::load(t + d * QW);
           for (int k = 0; k < 8; ++k) s8[k] = VT::fma(VT::set1(kr[k * D + d]), qd, s8[k]);
