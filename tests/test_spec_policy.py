@@ -96,6 +96,32 @@ def test_partly_good_drafts_stop_where_they_stop_paying():
     assert chosen[-100:].count(1) >= 95
 
 
+def test_one_rejection_deep_in_a_run_does_not_cut_every_later_step():
+    """Drafts of confidence 1 (lookup copying a file) accepted at every position, but for the
+    first step's rejection of the 4th: the keep rule then stops before the 4th, whose record only learns from
+    verified drafts, so without an extension now and then every later step would verify 3 (what a
+    32K-token edit on a Zen 4 VM did, one lookup draft per step); an extension 4 verifications
+    later is accepted and the steps are back at the full length."""
+    rows = Costs([1.0, 1.35, 1.7, 2.05, 2.4, 2.75], 0.0)  # a 4th draft at 2/3 acceptance does not pay
+    st = PolicyState()
+    chosen = _run(st, rows, 5, 60, lambda t, n: min(n, 3) if t == 0 else n, conf=1.0)
+    assert chosen[:2] == [5, 3]  # the first step's rejection stops the next one at 3
+    back = next(t for t in range(1, 60) if chosen[t] == 5)
+    assert back <= 2 * policy.PROBE_MIN + 2  # two accepted extensions lift the record past the rule
+    assert chosen[-40:] == [5] * 40
+
+
+def test_extensions_that_are_rejected_get_rarer():
+    """First drafts always accepted, later ones never: once the record has learned that, a step
+    verifies one draft past the keep rule's last only after 4, 8, 16, ... verifications without
+    one (at most PROBE_MAX), and never stops doing so altogether."""
+    st = PolicyState()
+    chosen = _run(st, COSTS, 3, 600, lambda t, n: min(n, 1))
+    late = [t for t, n in enumerate(chosen) if n > 1 and t >= 100]
+    gaps = [b - a for a, b in zip(late, late[1:])]
+    assert len(late) >= 500 // (PROBE_MAX + 1) and all(g >= PROBE_MAX for g in gaps)
+
+
 def test_no_drafts_where_rows_cost_a_step_each():
     """Where a verification row costs as much as a step, not even drafts that are always accepted
     pay: no step drafts, not even a probe."""

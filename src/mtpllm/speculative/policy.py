@@ -29,7 +29,11 @@ The three inputs:
   Before drafting, when even the best k on that record does not beat a plain step, the step is
   plain and nothing is drafted. A single-draft probe every few plain steps (4, doubling up to 64
   while probes fail or do not pay) notices when the drafts become good again. Where even drafts
-  sure to be accepted would not pay for their rows, nothing is drafted at all.
+  sure to be accepted would not pay for their rows, nothing is drafted at all. Past the drafts the
+  keep rule stops at, the record of the next position only learns when that position is verified:
+  one rejection there (a rare thing for a lookup that is copying a file) would otherwise stop every
+  later step short of it for the rest of the request. So now and then (after 4 verifications,
+  doubling up to 64 while these probes are rejected) one draft past that point is verified too.
 
 A chain (n-gram lookup first, MTP otherwise) keeps one record per member (`ChainPolicyState`), so
 each member's drafts are priced by its own acceptance. Lookup costs nothing to propose, so it is tried
@@ -470,6 +474,11 @@ class PolicyState:
     gains: list[float] = field(default_factory=list)  # their expected tokens: P(accepted with all before)
     must: int = 0  # leading drafts verified whatever a batch's plan says (a probe: the record's only way to learn)
     gate: bool = True  # whether this step's record said drafting pays (else only a probe is drafted)
+    # one draft past where the keep rule stops, verified now and then (its position's record only
+    # learns from verified drafts): verifications since the last, how many to wait, and this step's
+    ext_idle: int = 0
+    ext_wait: int = PROBE_MIN
+    ext_at: int | None = None  # the position of this step's extension, if it has one
     base: Calibration | None = None
 
     def _grow(self, n: int) -> None:
@@ -500,10 +509,16 @@ class PolicyState:
     def observe(self, confs: list[float], n_accepted: int) -> None:
         """A verification of len(confs) drafts of which the first n_accepted were accepted."""
         n = len(confs)
+        at, self.ext_at = self.ext_at, None
         if n == 0:
             self.idle += 1
             self.probing = False
             return
+        if at is not None and at < n:  # an extension verified: how it went sets the next one's wait
+            self.ext_wait = PROBE_MIN if n_accepted > at else min(2 * self.ext_wait, PROBE_MAX)
+            self.ext_idle = 0
+        else:
+            self.ext_idle += 1
         self._grow(n)
         if self.base is not None:
             self.base.observe(confs, n_accepted)
@@ -572,15 +587,20 @@ class CostPolicy:
     @staticmethod
     def keeper(st: PolicyState, costs: Costs):
         """The per-draft test for this step: keep(i, confidence) -> bool, recording kept confidences."""
-        st.confs, st.gains, st.must = [], [], 0
+        st.confs, st.gains, st.must, st.ext_at = [], [], 0, None
         e, p = 1.0, 1.0
 
         def keep(i: int, conf: float) -> bool:
             nonlocal e, p
+            if st.ext_at is not None:  # an extension is this step's last draft
+                return False
             a = st.calibrated(i, conf)
             probe = st.probing and i == 0
             if not probe and not keeps(i, a, e, p, costs.rows, costs.draft):
-                return False
+                # one past the keep rule's last draft, after ext_wait verifications without one
+                if i == 0 or st.ext_idle < st.ext_wait or i + 1 >= len(costs.rows):
+                    return False
+                st.ext_at = i
             p *= a
             e += p
             st.confs.append(float(conf))
