@@ -2,6 +2,8 @@
 (deterministic, nothing timed), its convergence to plain steps under bad drafts and to the full
 draft length under good ones, and the same on tiny real models (costs given through
 `set_step_costs`, the seam that replaces the timing)."""
+import math
+
 import pytest
 
 from mtpllm.runtime.engine import Engine
@@ -112,14 +114,37 @@ def test_one_rejection_deep_in_a_run_does_not_cut_every_later_step():
 
 
 def test_extensions_that_are_rejected_get_rarer():
-    """First drafts always accepted, later ones never: once the record has learned that, a step
-    verifies one draft past the keep rule's last only after 4, 8, 16, ... verifications without
-    one (at most PROBE_MAX), and never stops doing so altogether."""
+    """First drafts always accepted, later ones never: once the keep rule stops at one draft, a
+    step verifies one draft past it only after a wait that each rejected extension doubles (a step
+    extends after `ext_wait` verifications without one) up to PROBE_MAX, and never stops doing so."""
     st = PolicyState()
     chosen = _run(st, COSTS, 3, 600, lambda t, n: min(n, 1))
-    late = [t for t, n in enumerate(chosen) if n > 1 and t >= 100]
-    gaps = [b - a for a, b in zip(late, late[1:])]
-    assert len(late) >= 500 // (PROBE_MAX + 1) and all(g >= PROBE_MAX for g in gaps)
+    settled = chosen.index(1)
+    ext = [t for t in range(settled, 600) if chosen[t] > 1]
+    gaps = [b - a for a, b in zip(ext, ext[1:])]
+    assert len(gaps) >= 5 and gaps[-1] == PROBE_MAX + 1 and st.ext_wait == PROBE_MAX
+    assert all(b == min(2 * a - 1, PROBE_MAX + 1) for a, b in zip(gaps, gaps[1:]))  # wait + 1, doubled
+
+
+def test_extension_only_where_a_sequence_steps_alone():
+    """In a step several sequences share, the batch's plan prices every draft again (it would cut an
+    extension the keep rule turned down): no extension there; none into a row priced infinite
+    (one the cache cannot hold); and drafting again from position 0 (a failed batched pass run
+    alone) starts the step's record afresh."""
+    rows = [1.0, 1.35, 1.7, 2.05, 2.4, 2.75]
+    st = PolicyState()
+    _run(st, Costs(rows, 0.0), 5, 1, lambda t, n: min(n, 3), conf=1.0)  # position 3 rejected once
+    st.ext_idle = st.ext_wait  # an extension is due
+    for costs, extended in ((Costs(rows, 0.0, batch=2), False), (Costs(rows[:4] + [math.inf] * 2, 0.0), False),
+                            (Costs(rows, 0.0), True)):
+        keep = CostPolicy.keeper(st, costs)
+        n = 0
+        while n < 5 and keep(n, 1.0):
+            n += 1
+        assert (n == 4) == extended and (st.ext_at == 3) == extended
+    keep = CostPolicy.keeper(st, Costs(rows, 0.0))
+    assert [keep(i, 1.0) for i in range(5)] == [True] * 4 + [False]
+    assert [keep(i, 1.0) for i in range(5)] == [True] * 4 + [False] and len(st.confs) == 4
 
 
 def test_no_drafts_where_rows_cost_a_step_each():

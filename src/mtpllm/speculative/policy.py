@@ -33,7 +33,8 @@ The three inputs:
   keep rule stops at, the record of the next position only learns when that position is verified:
   one rejection there (a rare thing for a lookup that is copying a file) would otherwise stop every
   later step short of it for the rest of the request. So now and then (after 4 verifications,
-  doubling up to 64 while these probes are rejected) one draft past that point is verified too.
+  doubling up to 64 while these extensions are rejected) one draft past that point is verified too,
+  in steps of one sequence (a shared step's plan prices every draft again, `batch_rows`).
 
 A chain (n-gram lookup first, MTP otherwise) keeps one record per member (`ChainPolicyState`), so
 each member's drafts are priced by its own acceptance. Lookup costs nothing to propose, so it is tried
@@ -117,6 +118,7 @@ class Costs:
     rows: list[float]  # cost of r rows relative to one, r = 1..len
     draft: float  # drafting one token, relative to a one-row step
     step_ms: float = 0.0  # the one-row step measured
+    batch: int = 1  # sequences sharing the step these rows are priced in
 
 
 class BatchTable:
@@ -312,7 +314,7 @@ class StepCosts:
         rows = [1.0] + [(got[0] + n * (r - 1) * inner) / one
                         if n * r - n < len(got) and math.isfinite(got[n * r - n]) else math.inf
                         for r in range(2, n_rows + 1)]
-        return Costs(rows, base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3)
+        return Costs(rows, base.draft * n_seqs * base.step_ms / (one * 1e3), one * 1e3, n_seqs)
 
     def _time_batch(self, engine, seq, n: int, n_rows: int) -> list[float] | None:
         """The batch table of n sequences at this sequence's depth band (seconds at every total row
@@ -514,8 +516,9 @@ class PolicyState:
             self.idle += 1
             self.probing = False
             return
-        if at is not None and at < n:  # an extension verified: how it went sets the next one's wait
-            self.ext_wait = PROBE_MIN if n_accepted > at else min(2 * self.ext_wait, PROBE_MAX)
+        if at is not None and at < n:  # an extension verified; if reached, how it went sets the wait
+            if n_accepted >= at:
+                self.ext_wait = PROBE_MIN if n_accepted > at else min(2 * self.ext_wait, PROBE_MAX)
             self.ext_idle = 0
         else:
             self.ext_idle += 1
@@ -586,19 +589,26 @@ class CostPolicy:
 
     @staticmethod
     def keeper(st: PolicyState, costs: Costs):
-        """The per-draft test for this step: keep(i, confidence) -> bool, recording kept confidences."""
+        """The per-draft test for this step: keep(i, confidence) -> bool, recording kept confidences.
+        Drafting starts at i = 0 (again, where a batched pass failed and a sequence drafts alone).
+        One draft past the keep rule's last is kept after ext_wait verifications without one, in a
+        step of this sequence alone: in a shared step the batch's plan prices every draft again
+        and would cut it (and a head would have drafted it for nothing)."""
         st.confs, st.gains, st.must, st.ext_at = [], [], 0, None
-        e, p = 1.0, 1.0
+        e = p = 1.0
 
         def keep(i: int, conf: float) -> bool:
             nonlocal e, p
+            if i == 0:
+                st.confs, st.gains, st.must, st.ext_at = [], [], 0, None
+                e = p = 1.0
             if st.ext_at is not None:  # an extension is this step's last draft
                 return False
             a = st.calibrated(i, conf)
             probe = st.probing and i == 0
             if not probe and not keeps(i, a, e, p, costs.rows, costs.draft):
-                # one past the keep rule's last draft, after ext_wait verifications without one
-                if i == 0 or st.ext_idle < st.ext_wait or i + 1 >= len(costs.rows):
+                if (i == 0 or costs.batch > 1 or st.ext_idle < st.ext_wait or i + 1 >= len(costs.rows)
+                        or not math.isfinite(costs.rows[i + 1])):
                     return False
                 st.ext_at = i
             p *= a
