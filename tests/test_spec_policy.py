@@ -100,10 +100,11 @@ def test_partly_good_drafts_stop_where_they_stop_paying():
 
 def test_one_rejection_deep_in_a_run_does_not_cut_every_later_step():
     """Drafts of confidence 1 (lookup copying a file) accepted at every position, but for the
-    first step's rejection of the 4th: the keep rule then stops before the 4th, whose record only learns from
-    verified drafts, so without an extension now and then every later step would verify 3 (what a
-    32K-token edit on a Zen 4 VM did, one lookup draft per step); an extension 4 verifications
-    later is accepted and the steps are back at the full length."""
+    first step's rejection of the 4th: the keep rule then stops before the 4th, whose record only
+    learns from verified drafts, so without an extension now and then every later step would
+    verify 3 (what a 32K-token edit on a Zen 4 VM did, one lookup draft per step). Extensions,
+    after 4 verifications without one, are accepted and lift the record: the steps are back at
+    the full length."""
     rows = Costs([1.0, 1.35, 1.7, 2.05, 2.4, 2.75], 0.0)  # a 4th draft at 2/3 acceptance does not pay
     st = PolicyState()
     chosen = _run(st, rows, 5, 60, lambda t, n: min(n, 3) if t == 0 else n, conf=1.0)
