@@ -435,12 +435,91 @@ def test_rows_are_timed_once_deep_in_a_context(target, monkeypatch):
     with torch.inference_mode():
         target.model(torch.arange(3, 20), cache)
     seq = SimpleNamespace(slot=SimpleNamespace(cache=cache), x0=7)
-    for depth, want in ((18, [1, 2, 3] * policy.REPS), (17, [1] + [1, 2, 3])):
+    for depth, want in ((18, [1, 2, 3] * policy.REPS), (17, [1] + [1, 2, 3, 1])):
         rows.clear()
         monkeypatch.setattr(policy, "LONG_TIMING_DEPTH", depth)  # the cache holds 17 positions
         table = StepCosts()
         assert table.measure(target, seq, 3, None, "lookup")
         assert rows == want and len(table.rows[0][0]) == 3 and cache.length == 17
+
+
+def test_deep_rows_lie_on_their_least_squares_line():
+    """One pass deep in a context: the counts from 2 rows on are replaced by their least-squares
+    line (here the 1.5B's one-pass table at 8K positions, whose 2 and 3 rows read 1.21 both), never
+    falling with the rows; one row stays the unit."""
+    raw = [1.0, 1.21, 1.21, 1.54, 1.76, 2.12, 2.23, 2.43, 2.85]
+    got = policy._deep_rows({r: 0.1 * x for r, x in enumerate(raw, 1)}, 9)
+    # by hand: mean of rows 2..9 at r = 5.5 is 15.35 / 8; slope sum((r - 5.5)(y - mean)) / 42 = 10.005 / 42
+    mean, slope = 15.35 / 8, 10.005 / 42
+    assert got == pytest.approx([1.0] + [mean + slope * (r - 5.5) for r in range(2, 10)])
+    assert got[1] < 1.1 and got[2] - got[1] == pytest.approx(slope)  # 2 and 3 rows no longer tied
+    # a falling pass (noise only): flat, at least one row
+    assert policy._deep_rows({1: 1.0, 2: 0.99, 3: 0.98, 4: 0.97}, 4) == [1.0, 1.0, 1.0, 1.0]
+    # two counts: nothing to fit
+    assert policy._deep_rows({1: 2.0, 2: 2.5}, 2) == [1.0, 1.25]
+
+
+def test_a_deep_table_is_the_line_of_its_pass(target, monkeypatch):
+    """`measure` deep in a context keeps the fastest of one row's two timings and the line of the
+    other counts; shallower, every count as timed (the fastest of REPS passes)."""
+    import torch
+    from types import SimpleNamespace
+    cache = target.model.make_cache(64)
+    with torch.inference_mode():
+        target.model(torch.arange(3, 20), cache)
+    seq = SimpleNamespace(slot=SimpleNamespace(cache=cache), x0=7)
+    ones = iter([2.0, 1.0, 2.0, 1.0])  # one row: 2 ms, then 1 ms
+
+    def ms(r):
+        return next(ones) if r == 1 else {2: 1.3, 3: 1.2, 4: 1.6}[r]
+    _fake_timer(monkeypatch, [], ms)
+    monkeypatch.setattr(policy, "LONG_TIMING_DEPTH", 17)
+    deep = StepCosts()
+    assert deep.measure(target, seq, 4, None, "lookup")
+    assert deep.rows[0] == (pytest.approx(policy._deep_rows({1: 1.0, 2: 1.3, 3: 1.2, 4: 1.6}, 4)), pytest.approx(1.0))
+    monkeypatch.setattr(policy, "LONG_TIMING_DEPTH", 18)
+    ones = iter([1.0] * policy.REPS)
+    shallow = StepCosts()
+    assert shallow.measure(target, seq, 4, None, "lookup")
+    assert shallow.rows[0] == (pytest.approx([1.0, 1.3, 1.2, 1.6]), pytest.approx(1.0))
+
+
+def test_decoding_borrows_the_band_below_only():
+    """A decoding sequence crossing into a band not yet timed is priced by the band directly
+    below where that one is timed for its rows and proposer; a request starting there, or a band
+    two below, is timed."""
+    t = StepCosts()
+    t.rows[0] = ([1.0, 1.2, 1.4], 10.0)
+    t.draft_ms[("k", 0)] = 0.5
+    assert not t.needs(600, 3, "k", decoding=True) and t.needs(600, 3, "k")  # band 1: borrows band 0
+    assert t.needs(1100, 3, "k", decoding=True)  # band 2: band 0 is two below
+    assert t.needs(600, 4, "k", decoding=True) and t.needs(600, 3, "other", decoding=True)  # not timed so
+    got = t.get(600, 3, "k")
+    assert got.rows == [1.0, 1.2, 1.4] and got.step_ms == 10.0
+    for _ in range(300):  # its steps, twice band 0's timing, and its drafting follow it as they run
+        t.observe_pace(600, 2, 0.024)
+        t.observe_draft("k", 600, 2.0, 2)
+    got = t.get(600, 3, "k")
+    assert t.pace == {0: pytest.approx(2.0)} and got.step_ms == pytest.approx(20.0)
+    assert got.draft == pytest.approx(0.05)
+
+
+def test_decoding_into_a_deeper_band_is_not_timed(target):
+    """A request whose decoding crosses 512 positions (a new depth band) is not stopped to time
+    that band: band 0 prices its steps, and the next request that starts past 512 times band 1
+    before its first token. Plain decoding's tokens either way."""
+    set_step_costs(target, None)
+    table = step_costs(target)
+    prompt = list(range(3, 250)) * 2  # 494 tokens
+    params = SamplingParams(**dict(GREEDY, max_tokens=40))
+    spec = SpecConfig("mtp", 3).build(target)
+    out = target.generate(prompt_ids=prompt, params=params, speculative=spec)
+    assert out.tokens == target.generate(prompt_ids=prompt, params=params).tokens
+    assert table.timings == 1 and list(table.rows) == [0]
+    deeper = prompt + list(range(3, 40))  # 531 tokens
+    out = target.generate(prompt_ids=deeper, params=params, speculative=spec)
+    assert out.tokens == target.generate(prompt_ids=deeper, params=params).tokens
+    assert table.timings == 2 and sorted(table.rows) == [0, 1]
 
 
 def _fake_timer(monkeypatch, calls, ms):
@@ -451,7 +530,10 @@ def _fake_timer(monkeypatch, calls, ms):
     def fake(engine, seq, counts, reps):
         calls.append(tuple(counts))
         _, hidden = real(engine, seq, counts, 1)
-        return {r: ms(r) * 1e-3 for r in counts}, hidden
+        got = {}
+        for r in counts:  # a count timed twice: the fastest, as `_time_rows`
+            got[r] = min(got.get(r, math.inf), ms(r) * 1e-3)
+        return got, hidden
     monkeypatch.setattr(StepCosts, "_time_rows", staticmethod(fake))
 
 

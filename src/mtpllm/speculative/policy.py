@@ -11,7 +11,8 @@ The three inputs:
 - costs: the target's forward (with its logits) timed on this machine at 1..K+1 rows, at the
   sequence's own depth (attention grows with the cache, so the table is re-measured each time the
   depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
-  is measured once per model and depth band and cached. Decoding then corrects both with what its
+  is measured once per model and depth band and cached, before a request's first token: where
+  decoding crosses into a band not yet timed, the band below prices its steps (`StepCosts.needs`). Decoding then corrects both with what its
   steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
   included, which one timed token leaves out; the head's catch-up over the tokens accepted since
   it last drafted left out, as it grows with the plain steps before a draft; priced against one
@@ -66,10 +67,13 @@ DEPTH_BAND0 = 512  # depths below this share one cost table; each doubling beyon
 DEFAULT_DRAFT = 0.05  # draft cost per token (step units) when the proposer cannot be timed
 REPS = 3  # timings per row count (the fastest is kept)
 # From this depth on the row counts are timed in one pass, after one untimed forward (the first at
-# a depth pays for cold caches): there a forward streams a cache of tens of MB and one timing is
-# stable enough, where three passes over 1..9 rows added ~1.5 s (the 0.5B at 8K positions) to ~4 s
-# (the 1.5B at 8K, the 0.5B at 32K) before the first generated token. Shallower, where a timing is
-# short and noisy, the fastest of REPS passes is kept.
+# a depth pays for cold caches), where three passes over 1..9 rows added ~1.5 s (the 0.5B at 8K
+# positions) to ~4 s (the 1.5B at 8K, the 0.5B at 32K) before the first generated token. One pass
+# on a busy machine can misorder single counts (the 1.5B at 8K: 1.21 for 2 rows and for 3, where
+# medians of 7 gave 1.09 and 1.45), so there the counts from 2 rows on are put on their least-squares
+# line (attention, linear in the rows, is most of a step that deep; `_deep_rows`), and one row,
+# which every other count is divided by, is timed twice. Shallower, where a timing is short and
+# the kernels' tiles make the rows far from a line, the fastest of REPS passes is kept.
 LONG_TIMING_DEPTH = 4096
 BATCH_REPS = 1  # the same for a batch's table: the shared steps' observed times correct it (`observe_step`)
 OBSERVE_WEIGHT = 0.1  # weight of one observed step in the running estimates (~10 steps of memory)
@@ -101,6 +105,23 @@ def best_k(acc: list[float], rows: list[float], draft: float) -> int:
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def _deep_rows(t: dict[int, float], n: int) -> list[float]:
+    """Row costs relative to one row from one pass deep in a context (`LONG_TIMING_DEPTH`): t[r]
+    the seconds of r rows, r = 1..n; rows 2..n on their least-squares line (never falling with the
+    rows, never below the row before)."""
+    one = max(t[1], 1e-9)
+    rel = [t[r] / one for r in range(1, n + 1)]
+    if n < 3:
+        return [1.0] + [max(1.0, x) for x in rel[1:]]
+    xs = range(2, n + 1)
+    xm, ym = sum(xs) / len(xs), sum(rel[1:]) / len(xs)
+    slope = max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, rel[1:])) / sum((x - xm) ** 2 for x in xs))
+    out = [1.0]
+    for x in xs:
+        out.append(max(out[-1], ym + slope * (x - xm)))
+    return out
 
 
 def keeps(i: int, a: float, e: float, p: float, rows: list[float], draft: float) -> bool:
@@ -217,8 +238,8 @@ class StepCosts:
         the busier the machine, and the policy would stop drafting for as long as the load lasts."""
         if self.fixed is not None or not seconds > 0 or n_rows < 1:
             return
-        b = depth_band(depth)  # only a band's own timed rows set its pace
-        if b not in self.rows or len(self.rows[b][0]) < n_rows:
+        b = self._band(depth, n_rows)  # the table `get` prices this depth with (`needs`: a band below)
+        if b is None:
             return
         rows, ms = self.rows[b]
         ratio = seconds * 1e3 / (rows[n_rows - 1] * ms)
@@ -234,7 +255,8 @@ class StepCosts:
         where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
             return
-        band = depth_band(depth)
+        band = self._band(depth, 1)  # where `get` reads it
+        band = depth_band(depth) if band is None else band
         per = ms / n_drafted
         old = self.draft_seen.get((key, band, batch), self.draft_ms.get((key, band)))
         self.draft_seen[(key, band, batch)] = per if old is None else old + OBSERVE_WEIGHT * (per - old)
@@ -256,12 +278,23 @@ class StepCosts:
             tab.observe(i, seconds, OBSERVE_WEIGHT)
             self.observed += 1
 
-    def needs(self, depth: int, n_rows: int, key) -> bool:
+    def needs(self, depth: int, n_rows: int, key, decoding: bool = False) -> bool:
+        """Whether this depth's band has to be timed for n_rows rows and the proposer `key`.
+        `decoding`: asked as a decoding sequence crosses into the band. A timing there would stop
+        its tokens, and those of every sequence sharing its steps, for the 1-4 s of the forwards
+        (the 1.5B at 8K positions: ~2 s in the middle of a streamed answer), so where the band
+        directly below is timed, that band prices the steps (its pace and drafting follow them as
+        they run) until a request starts in this band and times it before its first token."""
         if self.fixed is not None:
             return False
         band = depth_band(depth)
+        if self._timed(band, n_rows, key):
+            return False
+        return not (decoding and band > 0 and self._timed(band - 1, n_rows, key))
+
+    def _timed(self, band: int, n_rows: int, key) -> bool:
         got = self.rows.get(band)
-        return got is None or len(got[0]) < n_rows or (key, band) not in self.draft_ms
+        return got is not None and len(got[0]) >= n_rows and (key, band) in self.draft_ms
 
     @staticmethod
     @torch.inference_mode()
@@ -370,13 +403,15 @@ class StepCosts:
         have = self.rows.get(band)
         timed = have is None or len(have[0]) < n_rows  # else only the proposer is timed
         deep = cache.length >= LONG_TIMING_DEPTH
+        counts = list(range(1, (n_rows if timed else 1) + 1))
         if timed and deep:
             self._time_rows(engine, seq, [1], 1)  # untimed: see LONG_TIMING_DEPTH
-        t, hidden = self._time_rows(engine, seq, list(range(1, (n_rows if timed else 1) + 1)),
-                                    reps if timed and not deep else 1)
+            counts.append(1)  # one row twice (the fastest kept): every count is divided by it
+        t, hidden = self._time_rows(engine, seq, counts, reps if timed and not deep else 1)
         if timed:
             one = max(t[1], 1e-9)
-            self.rows[band] = ([t[r] / one for r in range(1, n_rows + 1)], one * 1e3)
+            rows = _deep_rows(t, n_rows) if deep else [t[r] / one for r in range(1, n_rows + 1)]
+            self.rows[band] = (rows, one * 1e3)
         probe = getattr(proposer, "probe_ms", None)
         if probe is None:  # n-gram lookup: nothing worth timing
             self.draft_ms[(key, band)] = 0.0

@@ -299,11 +299,12 @@ class SpeculativeDecoder:
         c = self.cfg
         return (c.label(), tuple(getattr(self.proposer, "names", ())), c.mtp_head, c.draft_model)
 
-    def _costs(self, engine, seq):
-        """This depth's costs for the cost policy, timed on first use of the model at this depth band."""
+    def _costs(self, engine, seq, decoding: bool = False):
+        """This depth's costs for the cost policy, timed on first use of the model at this depth band
+        (`decoding`: as the sequence's decoding crosses into it; `StepCosts.needs`)."""
         table = step_costs(engine)
         n_rows, depth = self.cfg.num_speculative_tokens + 1, seq.slot.cache.length
-        if table.needs(depth, n_rows, self._cost_key()):
+        if table.needs(depth, n_rows, self._cost_key(), decoding):
             table.measure(engine, seq, n_rows, self.proposer, self._cost_key())
         seq.costs = table.get(depth, n_rows, self._cost_key())
 
@@ -494,5 +495,5 @@ class SpeculativeDecoder:
         seq.x0 = y
         seq.pending = ([], [])
         if cfg.policy == "cost" and depth_band(seq.slot.cache.length) != depth_band(seq.slot.cache.length - n - 1):
-            self._costs(engine, seq)  # a deeper band: its own costs (timed once per model)
+            self._costs(engine, seq, decoding=True)  # a deeper band: its own costs, or the band below's
         return seq.block(new, n, logits)
