@@ -296,6 +296,51 @@ def test_cached_attention_rows_alone_or_together(H, KV, D, window):
                                            rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("H,KV,D", [(14, 2, 64), (12, 2, 128), (4, 4, 32), (6, 3, 80)])
+def test_a_deep_prompt_chunk_attends_to_its_prefix_and_itself(H, KV, D):
+    """A prompt chunk with many keys before it attends to those without a mask and to its own keys
+    causally, merged by log-sum-exp: causal attention (float64 reference, float32 rounding), for
+    1, 3, 3.5 and 7 query heads per kv head and a given scale."""
+    from mtpllm.models import layers
+    if layers._FLASH is None:
+        pytest.skip("no CPU flash attention operator in this PyTorch")
+    g = torch.Generator().manual_seed(H * D)
+    T, P = 40, 300
+    q = torch.randn(T, H, D, generator=g).transpose(0, 1).unsqueeze(0)  # [1, H, T, D], as the model makes it
+    k, v = torch.randn(KV, P + T, D, generator=g), torch.randn(KV, P + T, D, generator=g)
+    for scale in (None, 0.3):
+        got = layers._attend_prefix_and_block(q, k, v, scale)
+        sc = D ** -0.5 if scale is None else scale
+        kk, vv = k.double().repeat_interleave(H // KV, 0), v.double().repeat_interleave(H // KV, 0)
+        s_ = q[0].double() @ kk.transpose(1, 2) * sc  # [H, T, L]
+        s_ = s_.masked_fill(torch.arange(P + T)[None, :] > torch.arange(P, P + T)[:, None], float("-inf"))
+        want = torch.softmax(s_, -1) @ vv
+        torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_deep_prompt_chunks_give_the_masked_kernels_logits(tiny_models, monkeypatch):
+    """A prompt prefilled in chunks, the chunks past SPLIT_PREFIX_MIN keys attending split (here
+    from 64 keys): the logits of one masked attention over the whole context, to float32 rounding;
+    decoding after it the same greedy tokens."""
+    from mtpllm.models import layers
+    if layers._FLASH is None:
+        pytest.skip("no CPU flash attention operator in this PyTorch")
+    m = load_model(tiny_models["qwen2"], "f32")
+    toks = torch.randint(0, m.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = layers._attend_prefix_and_block
+
+    def run():
+        cache = m.make_cache(256)
+        return torch.cat([m.logits(m(toks[a:a + 50], cache)) for a in range(0, 200, 50)])
+    masked = run()
+    monkeypatch.setattr(layers, "SPLIT_PREFIX_MIN", 64)
+    monkeypatch.setattr(layers, "_attend_prefix_and_block", lambda *a: calls.append(a[1].shape[1]) or real(*a))
+    split = run()
+    assert sorted(set(calls)) == [150, 200]  # the chunks with 100 and 150 keys before them
+    torch.testing.assert_close(split, masked, rtol=1e-4, atol=1e-4)
+
+
 def test_moving_a_model_moves_every_weight(tiny_models):
     """`model.to(device)` (how Engine.load places a model on a GPU) carries the Linear weights,
     which are plain attributes, along; the CPU-kernel formats refuse to move instead of failing
