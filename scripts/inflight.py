@@ -2,9 +2,11 @@
 default speculation, alternating, so that the comparison survives the machine's drift.
 
     python scripts/inflight.py [-m qwen2.5-coder-1.5b] [-np 8] [--requests 24] [-n 128] [-r 2] [-t 2]
+                               [--temp 0.8 --seed 1]
 
 `-np` slots (sequences decoded together, as `mtpllm serve -np`), `--requests` HumanEval prompts
-(chat template applied, greedy, EOS ignored so every answer has `-n` tokens) queued at once: the
+(chat template applied, greedy or sampled at `--temp` with the other sampling settings at their
+defaults, request i seeded with seed + i; EOS ignored so every answer has `-n` tokens) queued at once: the
 slots stay full until the queue runs dry. After an untimed round of each on other prompts, every
 repeat runs plain then default over the same prompts; aggregate tok/s = all tokens / wall time
 (prefills included), and the scheduler's steps. No HTTP: what the server adds is measured by
@@ -31,6 +33,8 @@ def main():
     ap.add_argument("-r", "--repeats", type=int, default=2)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-c", "--ctx", type=int, default=2048)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     eng = Engine.load(a.model, n_ctx=a.ctx, threads=a.threads)
@@ -38,12 +42,13 @@ def main():
     texts = code_prompts()[:a.requests + a.parallel]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
     spec = default_config().build(eng)
-    params = SamplingParams(temperature=0.0, max_tokens=a.n, ignore_eos=True)
+    def params(i):
+        return SamplingParams(temperature=a.temp, max_tokens=a.n, ignore_eos=True, seed=a.seed + i)
 
     def run(dec, ps):
         sch = Scheduler(eng, dec, n_slots=a.parallel, start=False)
-        for p in ps:
-            sch.submit(p, params)
+        for i, p in enumerate(ps):
+            sch.submit(p, params(i))
         t0 = time.perf_counter()
         while sch.running or sch.waiting:
             sch.step()
