@@ -42,6 +42,7 @@ def main():
     texts = code_prompts()[:a.requests + a.parallel]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
     spec = default_config().build(eng)
+
     def params(i):
         return SamplingParams(temperature=a.temp, max_tokens=a.n, ignore_eos=True, seed=a.seed + i)
 

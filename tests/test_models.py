@@ -300,7 +300,7 @@ def test_cached_attention_rows_alone_or_together(H, KV, D, window):
 def test_a_deep_prompt_chunk_attends_to_its_prefix_and_itself(H, KV, D):
     """A prompt chunk with many keys before it attends to those without a mask and to its own keys
     causally, merged by log-sum-exp: causal attention (float64 reference, float32 rounding), for
-    1, 3, 3.5 and 7 query heads per kv head and a given scale."""
+    7, 6, 1 and 2 query heads per kv head, the default and a given scale."""
     from mtpllm.models import layers
     if layers._FLASH is None:
         pytest.skip("no CPU flash attention operator in this PyTorch")
@@ -318,14 +318,14 @@ def test_a_deep_prompt_chunk_attends_to_its_prefix_and_itself(H, KV, D):
         torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_deep_prompt_chunks_give_the_masked_kernels_logits(tiny_models, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_deep_prompt_chunks_give_the_masked_kernels_logits(tiny_models, arch, monkeypatch):
     """A prompt prefilled in chunks, the chunks past SPLIT_PREFIX_MIN keys attending split (here
-    from 64 keys): the logits of one masked attention over the whole context, to float32 rounding;
-    decoding after it the same greedy tokens."""
+    from 64 keys): the logits of one masked attention over the whole context, to float32 rounding."""
     from mtpllm.models import layers
     if layers._FLASH is None:
         pytest.skip("no CPU flash attention operator in this PyTorch")
-    m = load_model(tiny_models["qwen2"], "f32")
+    m = load_model(tiny_models[arch], "f32")
     toks = torch.randint(0, m.cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
     calls = []
     real = layers._attend_prefix_and_block
@@ -337,7 +337,10 @@ def test_deep_prompt_chunks_give_the_masked_kernels_logits(tiny_models, monkeypa
     monkeypatch.setattr(layers, "SPLIT_PREFIX_MIN", 64)
     monkeypatch.setattr(layers, "_attend_prefix_and_block", lambda *a: calls.append(a[1].shape[1]) or real(*a))
     split = run()
-    assert sorted(set(calls)) == [150, 200]  # the chunks with 100 and 150 keys before them
+    full = sum(1 for mod in m.modules() if isinstance(mod, layers.Attention) and not mod.window)
+    assert (full == 0) == (arch == "gemma3")  # every layer of the tiny Gemma 3 has a window
+    # the chunks with 100 and 150 keys before them, in each layer without a window (the others: the mask)
+    assert sorted(calls) == sorted([150, 200] * full)
     torch.testing.assert_close(split, masked, rtol=1e-4, atol=1e-4)
 
 

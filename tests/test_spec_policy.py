@@ -498,10 +498,15 @@ def test_decoding_borrows_the_band_below_only():
     assert got.rows == [1.0, 1.2, 1.4] and got.step_ms == 10.0
     for _ in range(300):  # its steps, twice band 0's timing, and its drafting follow it as they run
         t.observe_pace(600, 2, 0.024)
-        t.observe_draft("k", 600, 2.0, 2)
+        t.observe_draft("k", 600, 3.0, 2)
     got = t.get(600, 3, "k")
     assert t.pace == {0: pytest.approx(2.0)} and got.step_ms == pytest.approx(20.0)
-    assert got.draft == pytest.approx(0.05)
+    assert got.draft == pytest.approx(1.5 / 20.0)  # 1.5 ms a token against the 20 ms step observed
+    # a band timed for its rows but not for this proposer: only the proposer is timed, decoding or not
+    t.rows[1] = ([1.0, 1.3, 1.6], 15.0)
+    assert t.needs(600, 3, "k", decoding=True)
+    t.draft_ms[("k", 1)] = 0.6
+    assert not t.needs(600, 3, "k") and not t.needs(600, 3, "k", decoding=True)
 
 
 def test_decoding_into_a_deeper_band_is_not_timed(target):

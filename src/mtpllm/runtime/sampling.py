@@ -130,7 +130,9 @@ class Sampler:
         likely) leaves, not on the whole vocabulary: sorting 151,936 logits for top-p took ~2 ms a
         token, as long as a tenth of the 1.5B's decoding step. Where the candidates do not settle
         it (logits tied with the k-th, a nucleus wider than the try), every logit is sorted as
-        before (`_full`): the same set of tokens either way."""
+        before (`_full`). Either way the same transforms on the same logits: they differ only in
+        float rounding and, for logits tied exactly at the top-p boundary, in which of them the
+        sort puts first."""
         logits = self.apply_penalties(logits.float(), history or [])
         if self.p.greedy:
             out = torch.zeros_like(logits)
@@ -158,7 +160,7 @@ class Sampler:
         if p.top_p < 1.0 and n > self.NUCLEUS_TRY:
             vals, ids = torch.topk(logits, self.NUCLEUS_TRY)
             pr = torch.exp(vals - torch.logsumexp(logits, -1))  # shares of the whole vocabulary
-            if not bool(torch.isfinite(vals[0])) or float(pr.sum()) < p.top_p or bool(vals[-1] == vals[-2]):
+            if not bool(torch.isfinite(vals[0])) or float(pr.sum()) < p.top_p:
                 return None
             return _nucleus(vals, pr, p.top_p), ids
         return None
@@ -197,8 +199,8 @@ class Sampler:
         total = float(cdf[-1])
         if not (total > 0 and total < float("inf")) or bool((probs < 0).any()):
             raise MtpllmError("cannot sample: the probabilities are not finite, non-negative and summing above 0")
-        u = float(torch.rand((), dtype=torch.float64, generator=self.gen)) * total
-        i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+        u = float(torch.rand((), dtype=torch.float64, generator=self.gen, device=self.gen.device)) * total
+        i = int(torch.searchsorted(cdf, torch.full((1,), u, dtype=torch.float64, device=cdf.device), right=True))
         if i >= probs.shape[0]:  # u rounded up to the total: the last token that has a probability
             i = int(torch.nonzero(probs).max())
         return i

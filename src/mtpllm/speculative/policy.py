@@ -11,9 +11,9 @@ The three inputs:
 - costs: the target's forward (with its logits) timed on this machine at 1..K+1 rows, at the
   sequence's own depth (attention grows with the cache, so the table is re-measured each time the
   depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
-  is measured once per model and depth band and cached, before a request's first token: where
-  decoding crosses into a band not yet timed, the band below prices its steps (`StepCosts.needs`). Decoding then corrects both with what its
-  steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
+  is measured once per model and depth band and cached, before a request's first token; where
+  decoding crosses into a band not yet timed whose lower neighbour is, that one prices its steps
+  (`StepCosts.needs`). Decoding then corrects both with what its steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
   included, which one timed token leaves out; the head's catch-up over the tokens accepted since
   it last drafted left out, as it grows with the plain steps before a draft; priced against one
   sequence's steps as they run, `observe_pace`, so load on the machine that slows both does not
@@ -250,8 +250,8 @@ class StepCosts:
         """A step's drafting as it ran: `ms` for `n_drafted` tokens, what the proposer did for them
         (a head's catch-up over the tokens accepted since it last drafted taken out by the caller,
         `SpeculativeDecoder._observe_draft`; in a step of `batch` sequences drafted together, this
-        sequence's share). Blended into the running cost per drafted token at this depth band and
-        batch size, which `get` uses from then on (the one timed token, `proposer.probe_ms`, is
+        sequence's share). Blended into the running cost per drafted token at the band `get` prices
+        this depth with and this batch size, which `get` uses from then on (the one timed token, `proposer.probe_ms`, is
         where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
             return
@@ -280,16 +280,20 @@ class StepCosts:
 
     def needs(self, depth: int, n_rows: int, key, decoding: bool = False) -> bool:
         """Whether this depth's band has to be timed for n_rows rows and the proposer `key`.
-        `decoding`: asked as a decoding sequence crosses into the band. A timing there would stop
-        its tokens, and those of every sequence sharing its steps, for the 1-4 s of the forwards
-        (the 1.5B at 8K positions: ~2 s in the middle of a streamed answer), so where the band
-        directly below is timed, that band prices the steps (its pace and drafting follow them as
-        they run) until a request starts in this band and times it before its first token."""
+        `decoding`: asked as a decoding sequence crosses into the band. Timing the rows there would
+        stop its tokens, and those of every sequence sharing its steps, for the 1-4 s of the
+        forwards (the 1.5B at 8K positions: ~2 s in the middle of a streamed answer), so where the
+        band directly below is timed, that band prices the steps (its pace and drafting follow them
+        as they run) until a request starts in this band and times it before its first token. A
+        band two or more below is not trusted that deep: then the rows are timed there and then
+        (and a shared step's batch table, `batch_costs`, is timed where its band has none). Where
+        only the proposer is missing, its one drafted token is timed (a few milliseconds)."""
         if self.fixed is not None:
             return False
         band = depth_band(depth)
-        if self._timed(band, n_rows, key):
-            return False
+        got = self.rows.get(band)
+        if got is not None and len(got[0]) >= n_rows:
+            return (key, band) not in self.draft_ms
         return not (decoding and band > 0 and self._timed(band - 1, n_rows, key))
 
     def _timed(self, band: int, n_rows: int, key) -> bool:

@@ -231,7 +231,7 @@ def accept_drafts(logits: torch.Tensor, drafts: list[int], qs: list, sampler: Sa
         if params.greedy:
             ok = bool(p[d] == 1.0)
         else:
-            r = float(torch.rand((), generator=sampler.gen))
+            r = float(torch.rand((), generator=sampler.gen, device=sampler.gen.device))
             ok = r * q_d < float(p[d])  # r < min(1, p/q)
         if ok:
             hist.append(d)
