@@ -13,9 +13,10 @@ The three inputs:
   depth doubles; `StepCosts`), and one drafted token of the proposer (`proposer.probe_ms`). Each
   is measured once per model and depth band and cached, before a request's first token; where
   decoding crosses into a band not yet timed whose lower neighbour is, that one prices its steps
-  (`StepCosts.needs`). Decoding then corrects both with what its steps really cost (`observe_draft`, `observe_step`): drafting as the requests run it (its Python
-  included, which one timed token leaves out; the head's catch-up over the tokens accepted since
-  it last drafted left out, as it grows with the plain steps before a draft; priced against one
+  (`StepCosts.needs`). Decoding then corrects both with what its steps really cost
+  (`observe_draft`, `observe_step`): drafting as the requests run it (its Python included,
+  which one timed token leaves out; the head's catch-up over the tokens accepted since it last
+  drafted left out, as it grows with the plain steps before a draft; priced against one
   sequence's steps as they run, `observe_pace`, so load on the machine that slows both does not
   make drafting look dearer), and,
   for steps several sequences share, the whole step's wall time (its bookkeeping included) at the
@@ -251,8 +252,8 @@ class StepCosts:
         (a head's catch-up over the tokens accepted since it last drafted taken out by the caller,
         `SpeculativeDecoder._observe_draft`; in a step of `batch` sequences drafted together, this
         sequence's share). Blended into the running cost per drafted token at the band `get` prices
-        this depth with and this batch size, which `get` uses from then on (the one timed token, `proposer.probe_ms`, is
-        where it starts)."""
+        this depth with and this batch size, which `get` uses from then on (the one timed token,
+        `proposer.probe_ms`, is where it starts)."""
         if self.fixed is not None or n_drafted <= 0 or not ms >= 0:
             return
         band = self._band(depth, 1)  # where `get` reads it
