@@ -647,6 +647,36 @@ def test_request_tokens_outside_the_draft_vocabulary_are_drafted(target, tiny_di
     assert len(out.tokens) == 30 and out.stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
+                                    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                                    dict(temperature=0.8, repetition_penalty=1.3), dict(temperature=0.0)])
+def test_drafts_from_a_draft_vocabulary_are_the_whole_vectors(params):
+    """A head drafting from some tokens only samples on their logits alone: the same q (scattered
+    to the vocabulary) and top probability as the whole vector with -inf elsewhere, and draws that
+    follow q; with penalties (which look tokens up by id) and greedy, the whole vector itself."""
+    from scipy.stats import chisquare
+    from mtpllm.runtime.sampling import Sampler
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randperm(1000, generator=g)[:300]
+    sub = torch.randn(300, generator=g) * 2.5
+    full = torch.full((1000,), float("-inf")).index_copy_(0, ids, sub)
+    hist = [int(ids[0]), int(ids[1]), 5]
+    a, b = Sampler(SamplingParams(seed=1, **params)), Sampler(SamplingParams(seed=1, **params))
+    d, q, top = V.draft_token_in(sub, ids, 1000, a, hist, p_min=0.1)
+    d_ref, q_ref, top_ref = V.draft_token(full, b, hist, p_min=0.1)
+    assert top == pytest.approx(top_ref, abs=1e-6) and int(d) in ids.tolist()
+    if params["temperature"] == 0:
+        assert q is None and q_ref is None and d == d_ref
+        return
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(q > 0, q_ref > 0)
+    draws = np.bincount([V.draft_token_in(sub, ids, 1000, a, hist)[0] for _ in range(4000)], minlength=1000)
+    keep = q.numpy() > 0.01
+    assert draws[q.numpy() == 0].sum() == 0
+    expect = 4000 * q.double().numpy() / q.double().sum().item()
+    assert chisquare(np.append(draws[keep], draws[~keep].sum()), np.append(expect[keep], expect[~keep].sum())).pvalue > 1e-3
+
+
 def test_responses_mark_accepted_draft_tokens(target, draft_path):
     """Each streamed token says whether it was an accepted draft: their count is the statistics'
     accepted count (a draft model identical to the target has most drafts accepted), and plain

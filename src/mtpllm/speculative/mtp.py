@@ -22,7 +22,7 @@ from ..runtime.kernels import argmax
 from ..runtime.linear import decode_rows, make_linear
 from .hf_mtp import HFMTPFile, is_safetensors_source
 from ..runtime.engine import PREFILL_CHUNK
-from .verifier import common_prefix, draft_chain_steps, draft_token
+from .verifier import common_prefix, draft_chain_steps, draft_token, draft_token_in
 
 HEAD_SHA_KEY = "mtpllm.trunk_sha256"
 
@@ -376,10 +376,9 @@ class MTPProposer:
                 j = argmax(logits)
                 d, q = int(st.draft_ids[j]), None
                 top = float(torch.softmax(logits, -1)[j]) if cut > 0 else 1.0
+            elif self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
+                d, q, top = draft_token_in(logits, st.draft_ids, self.trunk.cfg.vocab_size, sampler, hist, cut)
             else:
-                if self.vocab is not None:  # tokens outside the draft vocabulary are never proposed
-                    logits = torch.full((self.trunk.cfg.vocab_size,), float("-inf"),
-                                        device=logits.device).index_copy_(0, st.draft_ids, logits)
                 d, q, top = draft_token(logits, sampler, hist, cut)
             return d, q, top
 

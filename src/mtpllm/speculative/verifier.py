@@ -154,6 +154,23 @@ def draft_token(logits: torch.Tensor, sampler: Sampler, history: list[int],
     return d, q, top
 
 
+def draft_token_in(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, sampler: Sampler,
+                   history: list[int], p_min: float = 0.0) -> tuple[int, torch.Tensor | None, float]:
+    """`draft_token` for a proposer that drafts from some tokens only: logits [n] of the tokens
+    `ids` [n] (distinct), every other token of the vocabulary at -inf. The sampling transforms
+    then run on the n logits (with penalties, which look tokens up by id, on the whole vector):
+    q, scattered back to the vocabulary, is what `draft_token` gives for the whole vector, without
+    a top-k and a cumulative sum over all 151,936 tokens per drafted token."""
+    if sampler.p.greedy or sampler.p.uses_penalties:
+        full = torch.full((vocab_size,), float("-inf"), device=logits.device).index_copy_(0, ids, logits)
+        return draft_token(full, sampler, history, p_min)
+    q_in = sampler.probs(logits, history)
+    d = int(ids[sampler.sample_from(q_in)])
+    q = torch.zeros(vocab_size, device=logits.device).index_copy_(0, ids, q_in)
+    top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
+    return d, q, top
+
+
 def stop_drafting(top: float, cum: float, p_min: float, p_cum: float) -> bool:
     """The draft cut-offs: the draft's top probability below p_min, or the product of this step's
     draft probabilities (the proposer's estimate that the whole draft is accepted) below p_cum."""
