@@ -227,8 +227,12 @@ class StepCosts:
     def _band(self, depth: int, n_rows: int) -> int | None:
         """The deepest band measured at or below this depth with at least n_rows row costs."""
         band = depth_band(depth)
-        measured = [b for b in self.rows if b <= band and len(self.rows[b][0]) >= n_rows]
+        measured = [b for b in self.rows if b <= band and self._has_rows(b, n_rows)]
         return max(measured) if measured else None
+
+    def _has_rows(self, band: int, n_rows: int) -> bool:
+        got = self.rows.get(band)
+        return got is not None and len(got[0]) >= n_rows
 
     def observe_pace(self, depth: int, n_rows: int, seconds: float) -> None:
         """A step of one sequence (`n_rows` rows at this depth) took `seconds`, forward and logits:
@@ -292,14 +296,10 @@ class StepCosts:
         if self.fixed is not None:
             return False
         band = depth_band(depth)
-        got = self.rows.get(band)
-        if got is not None and len(got[0]) >= n_rows:
+        if self._has_rows(band, n_rows):
             return (key, band) not in self.draft_ms
-        return not (decoding and band > 0 and self._timed(band - 1, n_rows, key))
-
-    def _timed(self, band: int, n_rows: int, key) -> bool:
-        got = self.rows.get(band)
-        return got is not None and len(got[0]) >= n_rows and (key, band) in self.draft_ms
+        below = band - 1
+        return not (decoding and below >= 0 and self._has_rows(below, n_rows) and (key, below) in self.draft_ms)
 
     @staticmethod
     @torch.inference_mode()
@@ -405,8 +405,7 @@ class StepCosts:
         if n_rows < 1 or seq.x0 is None:
             return False
         band = depth_band(cache.length)
-        have = self.rows.get(band)
-        timed = have is None or len(have[0]) < n_rows  # else only the proposer is timed
+        timed = not self._has_rows(band, n_rows)  # else only the proposer is timed
         deep = cache.length >= LONG_TIMING_DEPTH
         counts = list(range(1, (n_rows if timed else 1) + 1))
         if timed and deep:

@@ -164,11 +164,8 @@ def draft_token_in(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int, sam
     if sampler.p.greedy or sampler.p.uses_penalties:
         full = torch.full((vocab_size,), float("-inf"), device=logits.device).index_copy_(0, ids, logits)
         return draft_token(full, sampler, history, p_min)
-    q_in = sampler.probs(logits, history)
-    d = int(ids[sampler.sample_from(q_in)])
-    q = torch.zeros(vocab_size, device=logits.device).index_copy_(0, ids, q_in)
-    top = float(torch.softmax(logits, -1).max()) if p_min > 0 else 1.0
-    return d, q, top
+    j, q_in, top = draft_token(logits, sampler, history, p_min)  # j: a position among the n tokens
+    return int(ids[j]), torch.zeros(vocab_size, device=logits.device).index_copy_(0, ids, q_in), top
 
 
 def stop_drafting(top: float, cum: float, p_min: float, p_cum: float) -> bool:
