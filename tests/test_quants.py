@@ -452,6 +452,29 @@ def test_repacked_kquant_kernel_matches_reference(qtype, m, k):
     assert ((y.double() - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
+@needs_kernel
+@pytest.mark.parametrize("sign", [1, -1])
+def test_q6_tiles_are_exact_at_the_largest_codes(sign):
+    """Q6_Kx8 tiles of 3+ rows of x sum a group's products in 16-bit lanes before scaling (four
+    u6 x s8 products, at most 4 * 63 * 127 < 2^15): with every code 63, the extreme scales and
+    |x| = 127 everywhere those sums reach their bound, and every tile row still equals its
+    one-row product and the float64 product of the file's weights with x's codes."""
+    n, k = 16, 512
+    raw = np.zeros((n, k // 256 * 210), dtype=np.uint8)
+    blocks = raw.reshape(n, k // 256, 210)
+    blocks[..., :192] = 0xFF  # ql and qh: every code 63
+    blocks[..., 192:208] = np.array([127, -128] * 8, dtype=np.int8).view(np.uint8)
+    blocks[..., 208:210] = np.array([np.float16(2.0 ** -10)]).view(np.uint8)
+    w = dequantize(raw, QT.Q6_K, (n, k))
+    w8 = kernels.gguf_repack(_blocks(raw), int(QT.Q6_K), k)
+    for m in (3, 4, 8):
+        x = torch.full((m, k), sign * 127 / 128)  # codes +-127, step 1/128: every product exact
+        y = kernels.gguf_linear(x, [w8], [kernels.Q6_KX8])
+        for i in range(m):
+            assert torch.equal(kernels.gguf_linear(x[i:i + 1].contiguous(), [w8], [kernels.Q6_KX8]), y[i:i + 1])
+        assert torch.equal(y.double(), x.double() @ w.double().t())
+
+
 def _tilings_agree(set_choice, values, ms, seed, rows_checked=None):
     """For each 8-row K-quant layout, short and long K and each row count in `ms` (x with an
     outlier): every value of a kernel choice (`set_choice(v)`) gives bit-identical products, and
