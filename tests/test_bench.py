@@ -100,13 +100,41 @@ def test_edit_prompt_is_whole_lines_of_stdlib_source_within_p(bench_model, n_pro
         build_requests(engine, "edit", 20, 3, 0)
 
 
+def test_documents_begin_with_other_modules(bench_model):
+    """--documents N: the long and edit sets ask about N documents, document i beginning with the
+    i-th standard-library module of the list (document 0 as with one document); each edit
+    prompt fits -p; a count the list cannot give is a clear error."""
+    from mtpllm.bench.workloads import DOCUMENT_MODULES, build_requests, stdlib_source
+    from mtpllm.runtime.engine import Engine
+    engine = Engine.load(str(bench_model), n_ctx=1024)
+    reqs = build_requests(engine, "edit", 300, 3, 0, documents=3)
+    assert len(reqs) == 3 and len({tuple(r.ids) for r in reqs}) == 3 and all(len(r.ids) <= 300 for r in reqs)
+    assert reqs[0].ids == build_requests(engine, "edit", 300, 3, 0)[0].ids
+    import importlib
+    import inspect
+    for i in range(3):
+        assert stdlib_source(i).startswith(inspect.getsource(importlib.import_module(DOCUMENT_MODULES[i])))
+        code = engine.tokenizer.decode(reqs[i].ids).split("```python\n", 1)[1]
+        assert stdlib_source(i).startswith(code.rsplit("```", 1)[0])
+    longs = build_requests(engine, "long", 200, 3, 0, documents=2)
+    assert len(longs) == 2 and longs[0].ids != longs[1].ids
+    with pytest.raises(MtpllmError, match="documents"):
+        stdlib_source(len(DOCUMENT_MODULES))
+
+
+@pytest.mark.parametrize("n", ["0", "7"])
+def test_bad_document_count_is_a_clear_error(bench_model, n, capsys):
+    assert main(["bench", "-m", str(bench_model), "--prompts", "edit", "--documents", n]) != 0
+    assert "--documents must be 1 to 6" in capsys.readouterr().err
+
+
 def test_bench_edit_rows(bench_model, capsys):
     assert main(["bench", "-m", str(bench_model), "-n", "3", "-r", "1", "--warmup", "0", "-p", "250", "-c", "300",
-                 "--prompts", "edit", "--spec", "none,ngram:3+mtp:1", "-o", "json"]) == 0
+                 "--prompts", "edit", "--documents", "2", "--spec", "none,ngram:3+mtp:1", "-o", "json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     _validate(rep)
-    assert [(r["prompt_set"], r["n_prompt"]) for r in rep["rows"]] == [("edit", 250)] * 2
-    assert all(r["prompt_tokens"] <= 250 and r["gen_tokens"] <= 3 for r in rep["rows"])
+    assert [(r["prompt_set"], r["n_prompt"], r["requests"]) for r in rep["rows"]] == [("edit", 250, 2)] * 2
+    assert all(200 < r["prompt_tokens"] <= 2 * 250 and r["gen_tokens"] <= 2 * 3 for r in rep["rows"])
     plain, chain = rep["rows"]
     assert plain["members"] == {} and set(chain["members"]) <= {"ngram", "mtp"}
     assert sum(m["drafts"] for m in chain["members"].values()) == sum(chain["draft_length_histogram"][1:])

@@ -26,6 +26,7 @@ ROW_SCHEMA = {
         "n_prompt": {"type": "integer", "minimum": 0}, "n_gen": {"type": "integer", "minimum": 1},
         "depth": {"type": "integer", "minimum": 0}, "spec": {"type": "string"}, "k": {"type": "integer", "minimum": 0},
         "repeats": {"type": "integer", "minimum": 1},
+        "requests": {"type": "integer", "minimum": 1},  # per repetition (prompts, documents)
         "prompt_tokens": {"type": "number", "minimum": 0}, "gen_tokens": {"type": "number", "minimum": 0},
         "prefill_tps": STAT, "decode_tps": STAT, "e2e_tps": STAT,
         "acceptance_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1},

