@@ -109,17 +109,24 @@ def test_documents_begin_with_other_modules(bench_model):
     engine = Engine.load(str(bench_model), n_ctx=1024)
     reqs = build_requests(engine, "edit", 300, 3, 0, documents=3)
     assert len(reqs) == 3 and len({tuple(r.ids) for r in reqs}) == 3 and all(len(r.ids) <= 300 for r in reqs)
-    assert reqs[0].ids == build_requests(engine, "edit", 300, 3, 0)[0].ids
+    import argparse
     import importlib
     import inspect
+    import textwrap
+    import typing
+    # document 0 is the one every earlier run used
+    assert stdlib_source(0).startswith("".join(inspect.getsource(m) for m in (textwrap, argparse, typing)))
+    assert reqs[0].ids == build_requests(engine, "edit", 300, 3, 0)[0].ids
     for i in range(3):
         assert stdlib_source(i).startswith(inspect.getsource(importlib.import_module(DOCUMENT_MODULES[i])))
         code = engine.tokenizer.decode(reqs[i].ids).split("```python\n", 1)[1]
         assert stdlib_source(i).startswith(code.rsplit("```", 1)[0])
     longs = build_requests(engine, "long", 200, 3, 0, documents=2)
     assert len(longs) == 2 and longs[0].ids != longs[1].ids
-    with pytest.raises(MtpllmError, match="documents"):
+    with pytest.raises(MtpllmError, match="does not exist"):
         stdlib_source(len(DOCUMENT_MODULES))
+    with pytest.raises(MtpllmError, match="documents must be 1 to"):
+        build_requests(engine, "long", 200, 3, 0, documents=0)
 
 
 @pytest.mark.parametrize("n", ["0", "7"])
@@ -134,7 +141,9 @@ def test_bench_edit_rows(bench_model, capsys):
     rep = json.loads(capsys.readouterr().out)
     _validate(rep)
     assert [(r["prompt_set"], r["n_prompt"], r["requests"]) for r in rep["rows"]] == [("edit", 250, 2)] * 2
-    assert all(200 < r["prompt_tokens"] <= 2 * 250 and r["gen_tokens"] <= 2 * 3 for r in rep["rows"])
+    from mtpllm.bench.report import to_markdown
+    assert "| edit x2+tg3 | none |" in to_markdown(rep)
+    assert all(2 * 200 < r["prompt_tokens"] <= 2 * 250 and r["gen_tokens"] <= 2 * 3 for r in rep["rows"])
     plain, chain = rep["rows"]
     assert plain["members"] == {} and set(chain["members"]) <= {"ngram", "mtp"}
     assert sum(m["drafts"] for m in chain["members"].values()) == sum(chain["draft_length_histogram"][1:])

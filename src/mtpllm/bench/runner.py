@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-prompts", type=int, default=3, help="prompts per repetition for the code/prose sets")
     ap.add_argument("--documents", type=int, default=1,
                     help=f"documents per repetition for the long/edit sets (1-{len(DOCUMENT_MODULES)}; default 1): "
-                         "each begins with another standard-library module")
+                         "each begins with another standard-library module; a row's tok/s are over all of them")
     ap.add_argument("--mtp-head", default=None, help="head-only mtp-*.gguf for the mtp rows")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     ap.add_argument("--seed", type=int, default=0)

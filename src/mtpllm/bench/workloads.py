@@ -69,8 +69,8 @@ def code_prompts() -> list[str]:
     return humaneval_prompts() or list(CODE_PROMPTS)
 
 
-# pure-Python standard-library modules (present with every CPython) whose source makes the documents
-DOCUMENT_MODULES = ("textwrap", "argparse", "typing", "configparser", "pathlib", "calendar")
+# standard-library modules that are one Python file in every CPython (3.6-3.13) and make the documents
+DOCUMENT_MODULES = ("textwrap", "argparse", "typing", "configparser", "difflib", "calendar")
 
 
 def stdlib_source(doc: int = 0) -> str:
@@ -78,7 +78,7 @@ def stdlib_source(doc: int = 0) -> str:
     starting with the doc-th of them (0: textwrap, argparse, typing, ...)."""
     import importlib
     if not 0 <= doc < len(DOCUMENT_MODULES):
-        raise MtpllmError(f"there are {len(DOCUMENT_MODULES)} documents (0..{len(DOCUMENT_MODULES) - 1}), not {doc}")
+        raise MtpllmError(f"document {doc} does not exist: they are numbered 0..{len(DOCUMENT_MODULES) - 1}")
     names = DOCUMENT_MODULES[doc:] + DOCUMENT_MODULES[:doc]
     return "".join(inspect.getsource(importlib.import_module(n)) for n in names)
 
@@ -128,7 +128,10 @@ def synthetic_ids(tokenizer, n: int, seed: int) -> list[int]:
 
 def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed: int,
                    documents: int = 1) -> list[Request]:
-    """The requests of one repetition of a row (`documents`: how many for the long and edit sets)."""
+    """The requests of one repetition of a row (`documents`: how many for the long and edit sets,
+    1..len(DOCUMENT_MODULES))."""
+    if not 1 <= documents <= len(DOCUMENT_MODULES):
+        raise MtpllmError(f"documents must be 1 to {len(DOCUMENT_MODULES)}, not {documents}")
     tok = engine.tokenizer
     if prompt_set == "synthetic":
         ids = synthetic_ids(tok, n_prompt, seed)
