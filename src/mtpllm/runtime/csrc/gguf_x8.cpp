@@ -394,20 +394,20 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
       // row r's scale in lanes 2 r, 2 r + 1 as int16 pairs (scale, 0)
       const __m512i scl = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, dl)), lo16);
       const __m512i sch = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, dh)), lo16);
+      __m512i lo[2], hi[2];  // the group's 6-bit codes, pair p: codes 8 p + k (lo) and 16 + 8 p + k (hi)
+#pragma GCC unroll 2
+      for (int p = 0; p < 2; ++p) {
+        const __m512i raw = _mm512_loadu_si512(b + 128 * g + 64 * p);
+        lo[p] = _mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_and_si512(p ? qh : _mm512_slli_epi16(qh, 4), m30));
+        hi[p] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                _mm512_and_si512(p ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30));
+      }
       if constexpr (RM >= 3) {
-        // 3+ rows of x (verification, batches, prompt chunks): the products of both pairs p go
-        // to 16-bit lanes (vpmaddubsw: two u6 x s8 products each, their sum over p four, at most
-        // 4 * 63 * 127 < 2^15) and one vpdpwssd by (scale, scale) per half instead of two by
+        // 3+ rows of x (verification, batches, prompt chunks): the products of both pairs go to
+        // 16-bit lanes (vpmaddubsw: two u6 x s8 products each, their sum over the pairs four, at
+        // most 4 * 63 * 127 < 2^15) and one vpdpwssd by (scale, scale) per half instead of two by
         // (scale, 0): the same integers as below with a quarter fewer multiplies (Zen 4, the
         // 1.5B's FFN-down from L3: 4 rows 0.354 -> 0.327 ms, 8 rows 0.647 -> 0.563)
-        __m512i lo[2], hi[2];
-#pragma GCC unroll 2
-        for (int p = 0; p < 2; ++p) {
-          const __m512i raw = _mm512_loadu_si512(b + 128 * g + 64 * p);
-          lo[p] = _mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_and_si512(p ? qh : _mm512_slli_epi16(qh, 4), m30));
-          hi[p] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
-                                  _mm512_and_si512(p ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30));
-        }
         const __m512i scl2 = _mm512_or_si512(scl, _mm512_slli_epi32(scl, 16));
         const __m512i sch2 = _mm512_or_si512(sch, _mm512_slli_epi32(sch, 16));
         for (int r = 0; r < RM; ++r) {
@@ -421,21 +421,15 @@ inline void q6x8_tile(const uint8_t* blk, int64_t nsb, const ActK& a, __m256* fa
         }
       } else {
 #pragma GCC unroll 2
-        for (int p = 0; p < 2; ++p) {
-          const __m512i raw = _mm512_loadu_si512(b + 128 * g + 64 * p);
-          const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, m4),
-                                             _mm512_and_si512(p ? qh : _mm512_slli_epi16(qh, 4), m30));
-          const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
-                                             _mm512_and_si512(p ? _mm512_srli_epi16(qh, 2) : _mm512_slli_epi16(qh, 2), m30));
+        for (int p = 0; p < 2; ++p)
           for (int r = 0; r < RM; ++r) {
             const int8_t* x = a.q + r * a.K + i * 256 + 32 * g + 8 * p;
             // |lane| <= 4 * 63 * 127 < 2^15: the low 16 bits are the value
-            const __m512i pl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_set1_epi64(load8(x)));
-            const __m512i ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_set1_epi64(load8(x + 16)));
+            const __m512i pl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], _mm512_set1_epi64(load8(x)));
+            const __m512i ph = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[p], _mm512_set1_epi64(load8(x + 16)));
             sl[r] = _mm512_dpwssd_epi32(sl[r], pl, scl);
             sh[r] = _mm512_dpwssd_epi32(sh[r], ph, sch);
           }
-        }
       }
     }
     __m256i s[RM], macc[RM];
