@@ -129,10 +129,12 @@ def test_documents_begin_with_other_modules(bench_model):
         build_requests(engine, "long", 200, 3, 0, documents=0)
 
 
-@pytest.mark.parametrize("n", ["0", "7"])
-def test_bad_document_count_is_a_clear_error(bench_model, n, capsys):
-    assert main(["bench", "-m", str(bench_model), "--prompts", "edit", "--documents", n]) != 0
-    assert "--documents must be 1 to 6" in capsys.readouterr().err
+@pytest.mark.parametrize("args,err", [(["--prompts", "edit", "--documents", "0"], "--documents must be 1 to 6"),
+                                      (["--prompts", "edit", "--documents", "7"], "--documents must be 1 to 6"),
+                                      (["--prompts", "code", "--documents", "2"], "applies to the long and edit")])
+def test_bad_document_count_is_a_clear_error(bench_model, args, err, capsys):
+    assert main(["bench", "-m", str(bench_model)] + args) != 0
+    assert err in capsys.readouterr().err
 
 
 def test_bench_edit_rows(bench_model, capsys):

@@ -330,6 +330,8 @@ def main(argv: list[str]) -> int:
     for s in sets:
         if s not in PROMPT_SETS:
             raise MtpllmError(f"--prompts: unknown prompt set '{s}' (known: {', '.join(PROMPT_SETS)})")
+    if a.documents > 1 and not {"long", "edit"} & set(sets):
+        raise MtpllmError("--documents applies to the long and edit prompt sets (--prompts long,edit)")
     if a.vs_llama_cpp and not Path(a.vs_llama_cpp).is_dir():
         raise MtpllmError(f"--vs-llama-cpp {a.vs_llama_cpp}: not a directory")
     if a.plot:
