@@ -10,6 +10,7 @@ import sys
 import time
 
 from ..errors import MtpllmError
+from .workloads import DOCUMENT_SETS
 
 # One report = conditions + rows. Every figure that is averaged carries its standard deviation.
 STAT = {"type": "object", "required": ["mean", "sd"],
@@ -106,7 +107,7 @@ def _pm(s: dict, digits: int = 2) -> str:
 
 def _test_name(r: dict) -> str:
     name = f"{r['prompt_set']}" if r["prompt_set"] != "synthetic" else f"pp{r['n_prompt']}"
-    if r["prompt_set"] in ("long", "edit") and r.get("requests", 1) > 1:
+    if r["prompt_set"] in DOCUMENT_SETS and r.get("requests", 1) > 1:
         name += f" x{r['requests']}"  # --documents: that many files, tok/s over all of them
     name += f"+tg{r['n_gen']}"
     return name + (f" @ d{r['depth']}" if r["depth"] else "")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..errors import MtpllmError
 from .report import conditions, plot, to_csv, to_json, to_markdown
-from .workloads import DOCUMENT_MODULES, PROMPT_SETS, SIZED_SETS, build_requests, depth_ids
+from .workloads import (DOCUMENT_MODULES, DOCUMENT_SETS, PROMPT_SETS, SIZED_SETS, build_requests, check_documents,
+                        depth_ids)
 
 
 # ---------------------------------------------------------------------------- argument parsing
@@ -317,8 +318,7 @@ def run_llama_bench(bin_dir: str, path: str, a, threads: int, reps: int | None =
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    if not 1 <= a.documents <= len(DOCUMENT_MODULES):
-        raise MtpllmError(f"--documents must be 1 to {len(DOCUMENT_MODULES)}")
+    check_documents(a.documents)  # before the model loads
     if a.repetitions < 1 or a.warmup < 0 or a.n_prompts < 1:
         raise MtpllmError("-r and --n-prompts must be >= 1 and --warmup >= 0")
     if not a.n_gen or min(a.n_gen) < 1:
@@ -330,7 +330,7 @@ def main(argv: list[str]) -> int:
     for s in sets:
         if s not in PROMPT_SETS:
             raise MtpllmError(f"--prompts: unknown prompt set '{s}' (known: {', '.join(PROMPT_SETS)})")
-    if a.documents > 1 and not {"long", "edit"} & set(sets):
+    if a.documents > 1 and not set(DOCUMENT_SETS) & set(sets):
         raise MtpllmError("--documents applies to the long and edit prompt sets (--prompts long,edit)")
     if a.vs_llama_cpp and not Path(a.vs_llama_cpp).is_dir():
         raise MtpllmError(f"--vs-llama-cpp {a.vs_llama_cpp}: not a directory")

@@ -19,6 +19,7 @@ from ..errors import MtpllmError
 
 PROMPT_SETS = ("synthetic", "code", "prose", "long", "edit")
 SIZED_SETS = ("synthetic", "long", "edit")  # the sets whose prompt length is -p
+DOCUMENT_SETS = ("long", "edit")  # the sets that take --documents
 
 EDIT_INSTRUCTION = ("Add a one-line docstring to every function, method and class below that lacks one, "
                     "change nothing else, and output the whole file.")
@@ -83,6 +84,12 @@ def stdlib_source(doc: int = 0) -> str:
     return "".join(inspect.getsource(importlib.import_module(n)) for n in names)
 
 
+def check_documents(n: int) -> None:
+    """A --documents count the module list can give (1..len(DOCUMENT_MODULES)), else a clear error."""
+    if not 1 <= n <= len(DOCUMENT_MODULES):
+        raise MtpllmError(f"--documents must be 1 to {len(DOCUMENT_MODULES)}, not {n}")
+
+
 def long_document(tokenizer, n_tokens: int, doc: int = 0) -> str:
     """About n_tokens of real text: CPython standard library source (present on every machine)."""
     text = stdlib_source(doc)
@@ -130,8 +137,7 @@ def build_requests(engine, prompt_set: str, n_prompt: int, n_prompts: int, seed:
                    documents: int = 1) -> list[Request]:
     """The requests of one repetition of a row (`documents`: how many for the long and edit sets,
     1..len(DOCUMENT_MODULES))."""
-    if not 1 <= documents <= len(DOCUMENT_MODULES):
-        raise MtpllmError(f"documents must be 1 to {len(DOCUMENT_MODULES)}, not {documents}")
+    check_documents(documents)
     tok = engine.tokenizer
     if prompt_set == "synthetic":
         ids = synthetic_ids(tok, n_prompt, seed)
